@@ -1,0 +1,103 @@
+"""msparallel-ds: plan, export and validate MindFormers parallel configs.
+
+Exit codes: 0 success, 2 configuration error (message only), 1 internal error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .config.errors import ConfigError, ConfigWarning
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="msparallel-ds",
+                                 description="Run MindFormers parallel strategies on PyTorch: plan, export, validate.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="show the plan (mesh, batch, ZeRO, schedule, memory) for a YAML")
+    p.add_argument("file")
+    p.add_argument("--world-size", type=int, default=None, help="number of processes (checked against the YAML)")
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    e = sub.add_parser("export", help="write a DeepSpeed config or an accelerate launch config")
+    e.add_argument("file")
+    e.add_argument("--to", choices=("deepspeed", "accelerate"), required=True)
+    e.add_argument("--world-size", type=int, default=None)
+    e.add_argument("-o", "--output", default=None, help="write here instead of stdout")
+    v = sub.add_parser("validate", help="check one or more YAMLs; one line per file")
+    v.add_argument("files", nargs="+")
+    v.add_argument("--world-size", type=int, default=None)
+    return ap
+
+
+def _plan(path: str, world_size: Optional[int]):
+    from .config.mindformers import load_config
+    from .plan import make_plan
+
+    return make_plan(load_config(Path(path)), world_size=world_size)
+
+
+def _cmd_plan(args) -> int:
+    plan = _plan(args.file, args.world_size)
+    print(plan.to_json() if args.format == "json" else plan.summary())
+    return 0
+
+
+def _cmd_export(args) -> int:
+    plan = _plan(args.file, args.world_size)
+    if args.to == "deepspeed":
+        text = json.dumps(plan.to_deepspeed(), indent=2) + "\n"
+    else:
+        import yaml
+
+        src = Path(args.file).resolve()
+        text = (f"# accelerate launch config made by msparallel-ds from {src}\n"
+                f"# run with: MSPARALLEL_CONFIG={src} accelerate launch --config_file THIS_FILE script.py\n"
+                + yaml.safe_dump(plan.to_accelerate(), sort_keys=False))
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _cmd_validate(args) -> int:
+    worst = 0
+    for f in args.files:
+        try:
+            plan = _plan(f, args.world_size)
+            m = plan.mesh
+            print(f"ok    {f}: world {plan.world_size} (pp {m.pp}, dp {m.dp}, cp {m.cp}, tp {m.tp}), "
+                  f"global batch {plan.global_batch_size}, ZeRO {plan.zero.stage}")
+        except ConfigError as exc:
+            worst = max(worst, 2)
+            detail = "; ".join(str(i) for i in exc.issues)
+            print(f"error {f}: {detail}")
+    return worst
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    warnings.simplefilter("default", ConfigWarning)
+    warnings.formatwarning = lambda msg, cat, *a, **k: f"warning: {msg}\n"
+    handler = {"plan": _cmd_plan, "export": _cmd_export, "validate": _cmd_validate}[args.command]
+    try:
+        return handler(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
+    except Exception:  # an internal bug, not the user's config: show where
+        traceback.print_exc()
+        print("msparallel-ds: internal error (please report it with the YAML that caused it)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,388 @@
+"""YAML front-end: a MindFormers file (legacy or mcore `parallel_config`, or the newer `parallelism:` schema)
+-> ParallelConfig. Every failure becomes a ConfigError naming the YAML key; nothing else escapes."""
+from __future__ import annotations
+
+import difflib
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+from pydantic import ValidationError
+
+from .errors import ConfigError, ConfigIssue, ConfigWarning
+from .rules import check_rules
+from .schema import PARALLELISM_KEYS, ParallelConfig, ParallelConfigSection
+
+MAX_FILE_BYTES = 16 << 20
+MAX_DEPTH = 32
+
+PARALLEL_MODE_NAMES = {0: "data_parallel", 1: "semi_auto_parallel", 2: "auto_parallel", 3: "hybrid_parallel"}
+
+# model.model_config spellings: ours <- (legacy, mcore/HF, GLM)
+MODEL_ALIASES = {
+    "num_layers": ("num_layers", "num_hidden_layers"),
+    "mtp_depth": ("mtp_depth", "num_nextn_predict_layers"),
+    "num_heads": ("num_heads", "num_attention_heads"),
+    "n_kv_heads": ("n_kv_heads", "num_key_value_heads", "num_query_groups", "multi_query_group_num"),
+    "hidden_size": ("hidden_size",),
+    "ffn_hidden_size": ("ffn_hidden_size", "intermediate_size"),
+    "seq_length": ("seq_length",),
+    "vocab_size": ("vocab_size", "padded_vocab_size"),
+    "compute_dtype": ("compute_dtype",),
+    "param_init_type": ("param_init_type", "params_dtype"),
+    "fine_grain_interleave": ("fine_grain_interleave",),
+    "use_ring_attention": ("use_ring_attention",),
+    "use_flash_attention": ("use_flash_attention",),
+    "pp_interleave_num": ("pp_interleave_num",),
+    "offset": ("offset",),
+}
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
+                 "bf16": "bfloat16"}
+CP_METHODS = {"colossal": "colossalai_cp", "colossalai": "colossalai_cp", "colossalai_cp": "colossalai_cp",
+              "ulysses": "ulysses_cp", "ulysses_cp": "ulysses_cp", "hybrid": "hybrid_cp", "hybrid_cp": "hybrid_cp"}
+PP_SCHEDULES = {"1f1b": "1f1b", "interleaved_1f1b": "1f1b", "gpipe": "gpipe", "zero_bubble_v": "zero_bubble_v",
+                "zbv": "zero_bubble_v"}
+PARALLELISM_FIELDS = ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel", "context_parallel",
+                      "context_parallel_method", "ulysses_degree_in_cp", "pipeline_parallel",
+                      "pipeline_parallel_interleave_num", "pipeline_parallel_schedule", "sequence_parallel",
+                      "expert_parallel", "micro_batch_num")
+
+
+def load_config(source: Any, *, name: str | None = None) -> ParallelConfig:
+    """A path, a mapping or YAML text -> validated ParallelConfig. Raises ConfigError, and only ConfigError."""
+    label = name
+    try:
+        raw, label = _read(source, label)
+        return _build(raw, label)
+    except ConfigError:
+        raise
+    except RecursionError:
+        raise ConfigError([ConfigIssue("", "<document>", "is nested too deeply to be a MindFormers config",
+                                       f"keep nesting under {MAX_DEPTH} levels")], label) from None
+    except Exception as exc:  # hostile input must never surface as another exception type
+        raise ConfigError([ConfigIssue("", type(exc).__name__, f"could not be read as a configuration: {exc}",
+                                       "pass a MindFormers YAML file, YAML text or a dict")], label) from None
+
+
+def _read(source: Any, label: str | None) -> tuple[Any, str | None]:
+    if isinstance(source, ParallelConfig):
+        raise ConfigError([ConfigIssue("", "ParallelConfig", "is already a loaded config",
+                                       "use it directly instead of calling load_config again")], label)
+    if isinstance(source, Mapping):
+        return source, label or "<dict>"
+    if isinstance(source, bytes):
+        return _parse(source, label or "<bytes>"), label or "<bytes>"
+    if isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        looks_like_path = isinstance(source, os.PathLike) or ("\n" not in text and (
+            text.endswith((".yaml", ".yml", ".json")) or os.sep in text or Path(text).exists()))
+        if looks_like_path:
+            path = Path(text)
+            label = label or str(path)
+            if not path.is_file():
+                raise ConfigError([ConfigIssue("file", text, "does not exist or is not a file",
+                                               "pass the path of a MindFormers YAML")], label)
+            if path.stat().st_size > MAX_FILE_BYTES:
+                raise ConfigError([ConfigIssue("file", text, f"is larger than {MAX_FILE_BYTES >> 20} MiB",
+                                               "pass a MindFormers YAML, not a data file")], label)
+            return _parse(path.read_bytes(), label), label
+        return _parse(text.encode("utf-8", "surrogatepass"), label or "<yaml text>"), label or "<yaml text>"
+    raise ConfigError([ConfigIssue("", type(source).__name__, "is not a path, a mapping or YAML text",
+                                   "pass a MindFormers YAML file path, YAML text or a dict")], label)
+
+
+def _parse(data: bytes, label: str) -> Any:
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError([ConfigIssue("", f"{len(data)} bytes", "is too large for a configuration",
+                                       "pass a MindFormers YAML")], label)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError([ConfigIssue("file", label, "is not UTF-8 text (binary file?)",
+                                       "pass a MindFormers YAML file")], label) from None
+    if "\x00" in text:
+        raise ConfigError([ConfigIssue("file", label, "contains NUL bytes (binary file?)",
+                                       "pass a MindFormers YAML file")], label)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError([ConfigIssue("", label, f"is not valid YAML{at}: {problem}",
+                                       "fix the YAML syntax")], label) from None
+
+
+def _check_depth(node: Any, depth: int = 0, seen: set | None = None) -> None:
+    """MindFormers caps YAML nesting; aliases can also make a small file a huge tree. Walk each node once."""
+    seen = set() if seen is None else seen
+    if id(node) in seen or not isinstance(node, (dict, list)):
+        return
+    seen.add(id(node))
+    if depth > MAX_DEPTH:
+        raise RecursionError
+    for child in (node.values() if isinstance(node, dict) else node):
+        _check_depth(child, depth + 1, seen)
+
+
+def _build(raw: Any, label: str | None) -> ParallelConfig:
+    if raw is None:
+        raise ConfigError([ConfigIssue("", "<empty>", "the document is empty",
+                                       "write a MindFormers YAML with a parallel_config section")], label)
+    if not isinstance(raw, Mapping):
+        raise ConfigError([ConfigIssue("", type(raw).__name__, "the top level must be a mapping of keys",
+                                       "write `parallel_config:`, `parallel:` etc. as top-level keys")], label)
+    _check_depth(raw)
+    issues: list[ConfigIssue] = []
+    data = _normalize(raw, issues)
+    if issues:
+        raise ConfigError(issues, label)
+    try:
+        cfg = ParallelConfig.model_validate(data)
+    except ValidationError as exc:
+        uses_parallelism = data.get("parallelism") is not None
+        found: dict[str, ConfigIssue] = {}
+        for err in exc.errors():  # a union reports once per branch: keep one issue per key
+            issue = _issue_from_pydantic(err, raw, uses_parallelism)
+            found.setdefault(issue.key, issue)
+        raise ConfigError(list(found.values()), label) from None
+    issues = check_rules(cfg)
+    if issues:
+        raise ConfigError(issues, label)
+    return cfg
+
+
+def _section(raw: Mapping, key: str, issues: list[ConfigIssue], path: str | None = None) -> dict:
+    value = raw.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        issues.append(ConfigIssue(path or key, value, "must be a mapping", f"write `{key}:` with indented keys"))
+        return {}
+    bad = [k for k in value if not isinstance(k, str)]
+    for k in bad:
+        issues.append(ConfigIssue(f"{path or key}.{k}", k, "is not a valid key name", "use string keys"))
+    return {k: v for k, v in value.items() if isinstance(k, str) and v is not None}
+
+
+def _normalize(raw: Mapping, issues: list[ConfigIssue]) -> dict:
+    """Reshape any supported spelling into ParallelConfig's field layout (validation comes after)."""
+    out: dict[str, Any] = {}
+    pc = _section(raw, "parallel_config", issues)
+    nested_recompute = pc.pop("recompute", None)  # TransformerOpParallelConfig takes recompute too
+    allowed = set(ParallelConfigSection.model_fields)
+    for key in list(pc):
+        if key not in allowed:
+            close = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.6)
+            fix = f"did you mean `{close[0]}`?" if close else f"valid keys: {', '.join(sorted(allowed))}"
+            issues.append(ConfigIssue(f"parallel_config.{key}", pc.pop(key),
+                                      "is not a MindFormers parallel_config key", fix))
+    if "optimizer_shard" in pc:
+        warnings.warn("parallel_config.optimizer_shard is deprecated in MindFormers and has no effect; "
+                      "use parallel.enable_parallel_optimizer", ConfigWarning, stacklevel=4)
+    if isinstance(pc.get("context_parallel_algo"), str) and pc["context_parallel_algo"] == "hybird_cp":
+        pc["context_parallel_algo"] = "hybrid_cp"  # MindFormers r1.3-r1.5 spelling
+    out["parallel_config"] = pc
+
+    par = _section(raw, "parallel", issues)
+    mode = par.get("parallel_mode")
+    if isinstance(mode, int) and not isinstance(mode, bool) and mode in PARALLEL_MODE_NAMES:
+        par["parallel_mode"] = PARALLEL_MODE_NAMES[mode]
+    for sub in ("parallel_optimizer_config", "pipeline_config"):
+        if sub in par:
+            par[sub] = _section(par, sub, issues, f"parallel.{sub}")
+    out["parallel"] = par
+
+    for key in ("micro_batch_interleave_num", "use_parallel"):
+        if raw.get(key) is not None:
+            out[key] = raw[key]
+    recompute = _section(raw, "recompute_config", issues)
+    if not recompute and isinstance(nested_recompute, Mapping):
+        recompute = {k: v for k, v in nested_recompute.items() if v is not None}
+    elif not recompute and isinstance(nested_recompute, (bool, list)):
+        recompute = {"recompute": nested_recompute}
+    out["recompute_config"] = recompute
+    out["runner_config"] = _section(raw, "runner_config", issues)
+    out["runner_wrapper"] = _runner_wrapper(_section(raw, "runner_wrapper", issues))
+    for key in ("optimizer", "lr_schedule"):
+        if raw.get(key) is not None:
+            out[key] = _section(raw, key, issues)
+    out["model"] = _model_shape(raw, issues)
+
+    if raw.get("parallelism") is not None:
+        _apply_parallelism(_section(raw, "parallelism", issues), out, issues)
+    _apply_mode_resets(out)
+    return out
+
+
+def _runner_wrapper(rw: dict) -> dict:
+    scale = rw.get("scale_sense")
+    if isinstance(scale, Mapping):
+        kind = "dynamic" if "Dynamic" in str(scale.get("type", "Dynamic")) else "static"
+        rw["scale_sense"] = {k: v for k, v in {"kind": kind, "value": scale.get("loss_scale_value"),
+                                               "factor": scale.get("scale_factor"),
+                                               "window": scale.get("scale_window")}.items() if v is not None}
+    elif scale is not None:
+        rw["scale_sense"] = {"kind": "static", "value": scale}
+    return rw
+
+
+def _model_shape(raw: Mapping, issues: list[ConfigIssue]) -> dict:
+    model = raw.get("model")
+    if model is None:
+        return {}
+    if not isinstance(model, Mapping):
+        issues.append(ConfigIssue("model", model, "must be a mapping", "write `model:` with `model_config:` under it"))
+        return {}
+    mc = _section(model, "model_config", issues, "model.model_config")
+    shape: dict[str, Any] = {}
+    for field, spellings in MODEL_ALIASES.items():
+        for spelling in spellings:
+            if mc.get(spelling) is not None:
+                shape[field] = mc[spelling]
+                break
+    if mc.get("multi_query_attention") is False and "n_kv_heads" in shape and "n_kv_heads" not in mc \
+            and "num_key_value_heads" not in mc:
+        shape.pop("n_kv_heads")  # GLM: multi_query_group_num only counts with multi_query_attention
+    for field in ("compute_dtype", "param_init_type"):
+        if isinstance(shape.get(field), str):
+            shape[field] = DTYPE_ALIASES.get(shape[field].lower(), shape[field].lower())
+    return shape
+
+
+def _apply_parallelism(p: dict, out: dict, issues: list[ConfigIssue]) -> None:
+    """MindFormers 2.1 `parallelism:` (torchtitan-like) -> the same fields as parallel_config."""
+    for key in list(p):
+        if key not in PARALLELISM_FIELDS:
+            close = difflib.get_close_matches(key, PARALLELISM_FIELDS, n=1, cutoff=0.6)
+            warnings.warn(f"parallelism.{key} is not read by msparallel_ds"
+                          + (f" (did you mean `{close[0]}`?)" if close else ""), ConfigWarning, stacklevel=5)
+    pc: dict[str, Any] = {}
+    replicate = p.get("data_parallel_replicate", 1)
+    shard = p.get("data_parallel_shard", -1)
+    out["parallelism"] = {"data_parallel_replicate": replicate, "data_parallel_shard": shard}
+    if _is_int(replicate) and _is_int(shard) and shard >= 1 and replicate >= 1:
+        pc["data_parallel"] = replicate * shard
+    elif _is_int(replicate):
+        pc["data_parallel"] = replicate  # shard = -1 (auto): the plan resolves it from the world size
+    for ours, theirs in (("model_parallel", "tensor_parallel"), ("context_parallel", "context_parallel"),
+                         ("pipeline_stage", "pipeline_parallel"), ("ulysses_degree_in_cp", "ulysses_degree_in_cp"),
+                         ("use_seq_parallel", "sequence_parallel"), ("expert_parallel", "expert_parallel"),
+                         ("micro_batch_num", "micro_batch_num")):
+        if theirs in p:
+            pc[ours] = p[theirs]
+    method = p.get("context_parallel_method")
+    if method is not None:
+        if isinstance(method, str) and method.lower() in CP_METHODS:
+            pc["context_parallel_algo"] = CP_METHODS[method.lower()]
+        else:
+            issues.append(ConfigIssue("parallelism.context_parallel_method", method,
+                                      "must be one of colossal, ulysses, hybrid", "pick one of those"))
+    schedule = p.get("pipeline_parallel_schedule")
+    vpp = p.get("pipeline_parallel_interleave_num")
+    pipeline_config = dict(out["parallel"].get("pipeline_config") or {})
+    if schedule is not None:
+        if isinstance(schedule, str) and schedule.lower() in PP_SCHEDULES:
+            pipeline_config["pipeline_scheduler"] = PP_SCHEDULES[schedule.lower()]
+            if schedule.lower() == "interleaved_1f1b":
+                pipeline_config["pipeline_interleave"] = True
+        else:
+            issues.append(ConfigIssue("parallelism.pipeline_parallel_schedule", schedule,
+                                      "must be one of 1f1b, interleaved_1f1b, gpipe", "pick one of those"))
+    if vpp is not None:
+        out["model"]["pp_interleave_num"] = vpp
+        if _is_int(vpp) and vpp > 1:
+            pipeline_config["pipeline_interleave"] = True
+    out["parallel"]["pipeline_config"] = pipeline_config
+    if shard != 1 and not out["parallel"].get("enable_parallel_optimizer"):
+        # dp_shard is FSDP-style sharding of parameters, gradients and optimizer states: ZeRO-3.
+        out["parallel"]["enable_parallel_optimizer"] = True
+        poc = dict(out["parallel"].get("parallel_optimizer_config") or {})
+        poc.setdefault("optimizer_level", "level3")
+        if _is_int(replicate) and replicate > 1 and _is_int(shard) and shard > 1:
+            poc.setdefault("optimizer_weight_shard_size", shard)
+        out["parallel"]["parallel_optimizer_config"] = poc
+    if out["parallel_config"]:
+        warnings.warn("both `parallelism:` and `parallel_config:` are present; `parallelism:` wins",
+                      ConfigWarning, stacklevel=5)
+    out["parallel_config"] = {**out["parallel_config"], **pc}
+
+
+def _apply_mode_resets(out: dict) -> None:
+    """MindFormers runs stand-alone (use_parallel: false) or pure data parallel (parallel_mode: data_parallel)
+    by resetting every model-parallel degree to 1; the data-parallel degree then comes from the device count."""
+    mode = out["parallel"].get("parallel_mode")
+    reason = None
+    if out.get("use_parallel") is False:
+        reason = "use_parallel=false (stand-alone)"
+    elif mode in ("data_parallel", "stand_alone"):
+        reason = f"parallel.parallel_mode={mode}"
+    if reason is None:
+        return
+    pc = out["parallel_config"]
+    changed = [k for k in ("data_parallel", "model_parallel", "context_parallel", "pipeline_stage", "expert_parallel")
+               if _is_int(pc.get(k)) and pc[k] != 1]
+    if pc.get("use_seq_parallel") is True:
+        changed.append("use_seq_parallel")
+    if changed:
+        warnings.warn(f"{reason}: MindFormers resets parallel_config {', '.join(changed)} "
+                      "(model parallelism off, data parallel over all devices)", ConfigWarning, stacklevel=5)
+    for k in ("data_parallel", "model_parallel", "context_parallel", "pipeline_stage", "expert_parallel"):
+        pc[k] = 1
+    pc["use_seq_parallel"] = False
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_SECTION_PATHS = {"model": "model.model_config"}
+_TYPE_TAGS = {"bool", "int", "str", "float", "list", "dict", "tuple", "none", "is-instance", "lax-or-strict"}
+
+
+def _issue_from_pydantic(err: Mapping, raw: Mapping, uses_parallelism: bool) -> ConfigIssue:
+    parts: list[str] = []
+    for p in err.get("loc", ()):
+        if isinstance(p, int):
+            if parts:
+                parts[-1] += f"[{p}]"
+        elif p not in _TYPE_TAGS and not any(ch in p for ch in "[]()"):
+            parts.append(p)  # pydantic labels union branches with type names; those are not YAML keys
+    if parts and parts[0] in _SECTION_PATHS:
+        parts[0] = _SECTION_PATHS[parts[0]]
+    if parts[:2] == ["runner_wrapper", "scale_sense"]:
+        parts = parts[:2]
+    key = ".".join(parts)
+    if uses_parallelism and key in PARALLELISM_KEYS:
+        key = PARALLELISM_KEYS[key]
+    value = err.get("input")
+    if isinstance(value, (dict, list)):
+        value = type(value).__name__
+    return ConfigIssue(key or "<root>", value, _rule_text(err, err.get("msg", "is invalid")), _fix_text(err))
+
+
+def _rule_text(err: Mapping, msg: str) -> str:
+    kind = err.get("type", "")
+    ctx = err.get("ctx") or {}
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected', '')}"
+    if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+        return f"is out of range: {msg.lower()}"
+    if kind == "extra_forbidden":
+        return "is not a known key"
+    return f"is invalid: {msg}"
+
+
+def _fix_text(err: Mapping) -> str:
+    kind = err.get("type", "")
+    if kind.startswith("int") or kind in ("greater_than_equal", "less_than_equal"):
+        return "write a positive whole number within range"
+    if kind.startswith("bool"):
+        return "write true or false"
+    if kind == "literal_error":
+        return "use one of the listed values"
+    if kind.startswith("float"):
+        return "write a finite number"
+    return "see the MindFormers documentation for this key"

@@ -1,0 +1,247 @@
+"""ParallelConfig: one validated, immutable object; every field keeps MindFormers' meaning and name.
+
+The sections mirror the YAML (parallel_config, parallel, recompute_config, runner_config, runner_wrapper,
+optimizer, lr_schedule, model.model_config) so a validation error's location is the YAML key path.
+Cross-field rules live in rules.py; turning YAML (legacy, mcore or `parallelism:`) into this shape lives in
+mindformers.py.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+# A degree above this is not a cluster anyone runs; it also keeps arithmetic on hostile input bounded.
+MAX_DEGREE = 1 << 20
+MAX_COUNT = 1 << 40
+
+Degree = Annotated[StrictInt, Field(ge=1, le=MAX_DEGREE)]
+Count = Annotated[StrictInt, Field(ge=1, le=MAX_COUNT)]
+NonNegCount = Annotated[StrictInt, Field(ge=0, le=MAX_COUNT)]
+Number = Annotated[float, Field(allow_inf_nan=False, ge=-1e30, le=1e30)]
+PosNumber = Annotated[float, Field(allow_inf_nan=False, gt=0, le=1e30)]
+Pattern = Annotated[StrictStr, Field(max_length=1000)]
+
+CP_ALGOS = ("colossalai_cp", "ulysses_cp", "hybrid_cp")
+PP_SCHEDULERS = ("gpipe", "1f1b", "seqpipe", "seqvpp", "seqsmartvpp", "zero_bubble_v")
+SUPPORTED_PP_SCHEDULERS = ("1f1b", "gpipe", "zero_bubble_v")
+PARALLEL_MODES = ("data_parallel", "semi_auto_parallel", "auto_parallel", "hybrid_parallel", "stand_alone")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+class _Section(BaseModel):
+    # Unknown keys in most sections are MindFormers features outside our scope; they are ignored there.
+    # parallel_config is the exception (MindFormers itself rejects unknown keys): see ParallelConfigSection.
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+
+class ParallelConfigSection(_Section):
+    """`parallel_config:` (TransformerOpParallelConfig), with MindFormers' defaults."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    data_parallel: Degree = 1
+    model_parallel: Degree = 1
+    context_parallel: Degree = 1
+    expert_parallel: Degree = 1
+    pipeline_stage: Degree = 1
+    micro_batch_num: Count = 1
+    seq_split_num: Count = 1
+    use_seq_parallel: StrictBool = False
+    optimizer_shard: Optional[StrictBool] = None  # deprecated in MindFormers, no effect
+    gradient_aggregation_group: Count = 4
+    vocab_emb_dp: StrictBool = True
+    context_parallel_algo: Literal["colossalai_cp", "ulysses_cp", "hybrid_cp"] = "colossalai_cp"
+    ulysses_degree_in_cp: Degree = 1
+    mem_coeff: Number = 0.1
+
+
+class ParallelOptimizerConfig(_Section):
+    optimizer_level: Literal["level1", "level2", "level3"] = "level1"
+    gradient_accumulation_shard: StrictBool = False
+    parallel_optimizer_threshold: Annotated[StrictInt, Field(ge=0, le=MAX_COUNT)] = 64  # KB
+    optimizer_weight_shard_size: Annotated[StrictInt, Field(ge=-1, le=MAX_DEGREE)] = -1
+
+
+class PipelineConfig(_Section):
+    pipeline_interleave: StrictBool = False
+    pipeline_scheduler: Literal["gpipe", "1f1b", "seqpipe", "seqvpp", "seqsmartvpp", "zero_bubble_v"] = "1f1b"
+
+
+class ParallelSection(_Section):
+    """`parallel:` (MindSpore auto-parallel context)."""
+
+    parallel_mode: Literal["data_parallel", "semi_auto_parallel", "auto_parallel", "hybrid_parallel",
+                           "stand_alone"] = "semi_auto_parallel"
+    gradients_mean: StrictBool = False
+    enable_alltoall: StrictBool = False
+    full_batch: StrictBool = True
+    enable_parallel_optimizer: StrictBool = False
+    parallel_optimizer_config: ParallelOptimizerConfig = ParallelOptimizerConfig()
+    pipeline_config: PipelineConfig = PipelineConfig()
+    strategy_ckpt_save_file: Optional[Pattern] = None
+    strategy_ckpt_load_file: Optional[Pattern] = None
+    strategy_ckpt_config: Optional[dict[str, Any]] = None
+
+
+RecomputeValue = Union[StrictBool, list[StrictInt], list[list[StrictInt]], list[Pattern],
+                       dict[Pattern, Union[StrictBool, list[StrictInt], list[list[StrictInt]]]]]
+
+
+class RecomputeConfig(_Section):
+    """`recompute_config:`: bool, a per-stage layer count list, or submodule patterns (optionally per stage)."""
+
+    recompute: RecomputeValue = False
+    select_recompute: RecomputeValue = False
+    select_comm_recompute: RecomputeValue = False
+    parallel_optimizer_comm_recompute: StrictBool = False
+    mp_comm_recompute: StrictBool = True
+    recompute_slice_activation: StrictBool = False
+
+
+class RunnerConfig(_Section):
+    batch_size: Count = 1
+    gradient_accumulation_steps: Count = 1
+    epochs: Optional[NonNegCount] = None
+    sink_mode: Optional[StrictBool] = None
+    sink_size: Optional[Annotated[StrictInt, Field(ge=-1, le=MAX_COUNT)]] = None
+
+
+class LossScale(_Section):
+    """runner_wrapper.scale_sense: a number (static scale) or a DynamicLossScaleUpdateCell/FixedLossScaleUpdateCell."""
+
+    kind: Literal["static", "dynamic"] = "static"
+    value: PosNumber = 1.0
+    factor: PosNumber = 2.0
+    window: Count = 1000
+
+
+class RunnerWrapper(_Section):
+    type: Optional[Pattern] = None
+    scale_sense: LossScale = LossScale()
+    use_clip_grad: StrictBool = False
+    max_grad_norm: PosNumber = 1.0
+
+
+class OptimizerConfig(_Section):
+    type: Pattern = "AdamW"
+    learning_rate: Optional[Number] = None
+    betas: Optional[tuple[Number, Number]] = None
+    eps: Optional[Number] = None
+    weight_decay: Optional[Number] = None
+
+
+class LrSchedule(_Section):
+    type: Pattern = "ConstantWarmUpLR"
+    learning_rate: Optional[Number] = None
+    lr_end: Optional[Number] = None
+    warmup_ratio: Optional[Number] = None
+    warmup_steps: Optional[NonNegCount] = None
+    warmup_lr_init: Optional[Number] = None
+    total_steps: Optional[Annotated[StrictInt, Field(ge=-1, le=MAX_COUNT)]] = None
+
+
+Offset = Union[StrictInt, list[StrictInt], list[list[StrictInt]]]
+
+
+class ModelShape(_Section):
+    """The parts of `model.model_config` that parallelism depends on (legacy and mcore/HF spellings)."""
+
+    fine_grain_interleave: Degree = 1
+    use_ring_attention: StrictBool = False
+    use_flash_attention: StrictBool = False
+    pp_interleave_num: Degree = 1
+    offset: Offset = 0
+    num_layers: Optional[Count] = None
+    mtp_depth: Annotated[StrictInt, Field(ge=0, le=MAX_DEGREE)] = 0  # multi-token-prediction layers (pipelined too)
+    num_heads: Optional[Count] = None
+    n_kv_heads: Optional[Count] = None
+    hidden_size: Optional[Count] = None
+    ffn_hidden_size: Optional[Count] = None
+    seq_length: Optional[Count] = None
+    vocab_size: Optional[Count] = None
+    compute_dtype: Literal["float32", "float16", "bfloat16"] = "float16"
+    param_init_type: Literal["float32", "float16", "bfloat16"] = "float32"
+
+    @property
+    def pipeline_layers(self) -> Optional[int]:
+        """Layers the pipeline splits: MindFormers counts MTP layers with the decoder layers."""
+        return None if self.num_layers is None else self.num_layers + self.mtp_depth
+
+    @property
+    def kv_heads(self) -> Optional[int]:
+        return self.n_kv_heads or self.num_heads
+
+
+class ParallelismSource(_Section):
+    """What the newer `parallelism:` schema said, kept for messages and for dp_shard=-1 (resolved by the plan)."""
+
+    data_parallel_replicate: Degree = 1
+    data_parallel_shard: Annotated[StrictInt, Field(ge=-1, le=MAX_DEGREE)] = -1
+
+
+class ParallelConfig(_Section):
+    """Everything msparallel_ds needs from a MindFormers YAML, validated and immutable."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    parallel_config: ParallelConfigSection = ParallelConfigSection()
+    parallel: ParallelSection = ParallelSection()
+    micro_batch_interleave_num: Degree = 1
+    use_parallel: StrictBool = True
+    recompute_config: RecomputeConfig = RecomputeConfig()
+    runner_config: RunnerConfig = RunnerConfig()
+    runner_wrapper: RunnerWrapper = RunnerWrapper()
+    optimizer: Optional[OptimizerConfig] = None
+    lr_schedule: Optional[LrSchedule] = None
+    model: ModelShape = ModelShape()
+    # Set when the YAML used the `parallelism:` schema (MindFormers 2.1) instead of parallel_config.
+    parallelism: Optional[ParallelismSource] = None
+    source: Optional[str] = None
+
+    # Short names used across the package.
+    @property
+    def dp(self) -> int:
+        return self.parallel_config.data_parallel
+
+    @property
+    def tp(self) -> int:
+        return self.parallel_config.model_parallel
+
+    @property
+    def cp(self) -> int:
+        return self.parallel_config.context_parallel
+
+    @property
+    def pp(self) -> int:
+        return self.parallel_config.pipeline_stage
+
+    @property
+    def ep(self) -> int:
+        return self.parallel_config.expert_parallel
+
+    @property
+    def cp_algo(self) -> str:
+        return self.parallel_config.context_parallel_algo
+
+    def key(self, field: str) -> str:
+        """The YAML key path a user wrote for a field (differs for the `parallelism:` schema)."""
+        if self.parallelism is not None and field in PARALLELISM_KEYS:
+            return PARALLELISM_KEYS[field]
+        return field
+
+
+# parallel_config key -> `parallelism:` key, for error messages about files in the newer schema.
+PARALLELISM_KEYS = {
+    "parallel_config.data_parallel": "parallelism.data_parallel_shard",
+    "parallel_config.model_parallel": "parallelism.tensor_parallel",
+    "parallel_config.context_parallel": "parallelism.context_parallel",
+    "parallel_config.context_parallel_algo": "parallelism.context_parallel_method",
+    "parallel_config.ulysses_degree_in_cp": "parallelism.ulysses_degree_in_cp",
+    "parallel_config.pipeline_stage": "parallelism.pipeline_parallel",
+    "parallel_config.use_seq_parallel": "parallelism.sequence_parallel",
+    "parallel_config.expert_parallel": "parallelism.expert_parallel",
+    "parallel_config.micro_batch_num": "parallelism.micro_batch_num",
+    "model.model_config.pp_interleave_num": "parallelism.pipeline_parallel_interleave_num",
+    "parallel.pipeline_config.pipeline_scheduler": "parallelism.pipeline_parallel_schedule",
+}

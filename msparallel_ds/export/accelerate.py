@@ -1,0 +1,42 @@
+"""Plan -> an `accelerate launch --config_file` YAML dict (accelerate 1.15 ClusterConfig keys only)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .deepspeed import deepspeed_batch
+
+if TYPE_CHECKING:
+    from ..plan import Plan
+
+_MIXED = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+
+
+def to_accelerate(plan: "Plan", *, num_machines: int = 1) -> dict[str, Any]:
+    """The launcher config. Batch sizes stay with the training script (accelerate reads them from the
+    dataloader); MindFormersAccelerator rebuilds the full DeepSpeed config from the plan at run time."""
+    _, gas = deepspeed_batch(plan)
+    ds: dict[str, Any] = {"zero_stage": plan.zero.stage, "gradient_accumulation_steps": gas,
+                          "offload_optimizer_device": "none", "offload_param_device": "none",
+                          "zero3_init_flag": plan.zero.stage == 3}
+    if plan.gradient_clipping:
+        ds["gradient_clipping"] = plan.gradient_clipping
+    if num_machines > 1:
+        ds["deepspeed_multinode_launcher"] = "standard"
+    return {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "DEEPSPEED",
+        "deepspeed_config": ds,
+        "mixed_precision": _MIXED[plan.compute_dtype],
+        "num_machines": num_machines,
+        "machine_rank": 0,
+        "num_processes": plan.world_size,
+        "main_training_function": "main",
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+        "debug": False,
+        "downcast_bf16": "no",
+        "tpu_env": [],
+        "tpu_use_cluster": False,
+        "tpu_use_sudo": False,
+    }

@@ -1,0 +1,100 @@
+"""Plan -> a DeepSpeed 0.19 config dict.
+
+Batch math: DeepSpeed checks train_batch = micro x gas x dp_world, with dp_world from our mpu (pure dp). One
+DeepSpeed micro step carries all micro_batch_interleave_num copies (they run inside one forward), so
+micro = batch_size x mbi; gas = micro_batch_num when pp > 1 (MindFormers ignores gradient_accumulation_steps
+there), else gradient_accumulation_steps. Then micro x gas x dp == MindFormers' global batch.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..plan import Plan
+
+# MindFormers lr_schedule type -> DeepSpeed scheduler (those needing total steps are dropped when unknown)
+_SCHEDULERS = {"cosine": "WarmupCosineLR", "linear": "WarmupDecayLR", "constant": "WarmupLR"}
+
+
+def deepspeed_batch(plan: "Plan") -> tuple[int, int]:
+    """(train_micro_batch_size_per_gpu, gradient_accumulation_steps) for DeepSpeed."""
+    micro = plan.micro_batch_size * plan.micro_batch_interleave_num
+    gas = plan.micro_batch_num if plan.mesh.pp > 1 else plan.gradient_accumulation_steps
+    return micro, gas
+
+
+def to_deepspeed(plan: "Plan", *, with_mpu: bool = True, include_optimizer: bool = True,
+                 include_scheduler: bool = True) -> dict[str, Any]:
+    micro, gas = deepspeed_batch(plan)
+    ds: dict[str, Any] = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas}
+    if not with_mpu and plan.world_size == plan.mesh.dp:
+        ds["train_batch_size"] = plan.global_batch_size  # without an mpu DeepSpeed's dp world is the world
+    ds["zero_optimization"] = _zero(plan)
+    # We pass torch optimizers on CPU (no JIT build) and ZeRO must accept them.
+    ds["zero_allow_untested_optimizer"] = True
+    ds.update(_precision(plan))
+    if plan.gradient_clipping:
+        ds["gradient_clipping"] = plan.gradient_clipping
+    if include_optimizer and plan.optimizer and plan.optimizer["type"] == "AdamW":
+        ds["optimizer"] = {"type": "AdamW", "params": dict(plan.optimizer["params"])}
+    if include_scheduler:
+        sched = _scheduler(plan)
+        if sched:
+            ds["scheduler"] = sched
+    ds["steps_per_print"] = 1 << 30
+    ds["wall_clock_breakdown"] = False
+    return ds
+
+
+def _zero(plan: "Plan") -> dict[str, Any]:
+    z = plan.zero
+    if z.stage == 0:
+        return {"stage": 0}
+    out: dict[str, Any] = {"stage": z.stage, "overlap_comm": z.overlap_comm, "contiguous_gradients": True,
+                           "reduce_bucket_size": z.reduce_bucket_size}
+    if z.stage in (1, 2):
+        out.update(reduce_scatter=True, allgather_bucket_size=z.reduce_bucket_size)
+    if z.stage == 3:
+        if z.param_persistence_threshold is not None:
+            out["stage3_param_persistence_threshold"] = z.param_persistence_threshold
+        if z.hpz_partition_size:
+            out["zero_hpz_partition_size"] = z.hpz_partition_size
+    return out
+
+
+def _precision(plan: "Plan") -> dict[str, Any]:
+    if plan.compute_dtype == "bf16":
+        return {"bf16": {"enabled": True}}
+    if plan.compute_dtype != "fp16":
+        return {}
+    ls = plan.loss_scale
+    fp16: dict[str, Any] = {"enabled": True}
+    if ls.kind == "dynamic":
+        fp16.update(loss_scale=0, initial_scale_power=max(0, int(round(math.log2(ls.initial)))),
+                    loss_scale_window=ls.window, hysteresis=2, min_loss_scale=1)
+    else:
+        fp16["loss_scale"] = ls.initial
+    return {"fp16": fp16}
+
+
+def _scheduler(plan: "Plan") -> dict[str, Any] | None:
+    s = plan.lr_schedule
+    if not s:
+        return None
+    kind = next((v for k, v in _SCHEDULERS.items() if k in s["type"].lower()), None)
+    lr = s.get("learning_rate") or (plan.optimizer or {}).get("params", {}).get("lr")
+    warmup = s.get("warmup_steps") or 0
+    total = s.get("total_steps")
+    if kind is None or lr is None:
+        return None
+    if kind == "WarmupLR":
+        return {"type": kind, "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": warmup}}
+    if total is None:
+        return None  # decay schedules need the total step count; the trainer supplies it at run time
+    if kind == "WarmupDecayLR":
+        return {"type": kind, "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": warmup,
+                                         "total_num_steps": total}}
+    min_ratio = (s.get("lr_end") or 0.0) / lr if lr else 0.0
+    return {"type": kind, "params": {"total_num_steps": total, "warmup_num_steps": warmup,
+                                     "warmup_min_ratio": 0.0, "cos_min_ratio": min_ratio}}

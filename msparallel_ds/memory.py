@@ -1,0 +1,103 @@
+"""Per-rank memory estimate for a Llama-family decoder under a Plan (pure arithmetic, in GiB).
+
+Assumptions (stated so the numbers can be checked):
+- Parameters: per layer q,o = h*h each, k,v = h*(kv*h/heads) each, SwiGLU MLP 3*h*ffn (ffn = ffn_hidden_size, or
+  8h/3 rounded up to 256 when absent), two norms 2h; embedding and an untied lm_head V*h each, split over tp when
+  vocab parallel. The worst rank holds the busiest pipeline stage plus the embedding (first stage) or the head.
+- Bytes: weights and gradients in the compute dtype (bf16/fp16: 2, fp32: 4); Adam state 12 bytes/param in mixed
+  precision (fp32 master + m + v) or 8 in fp32. ZeRO-1 divides optimizer state, ZeRO-2 also gradients, ZeRO-3
+  also weights, by dp x cp.
+- Activations per layer and micro-batch (Korthikanti et al. 2022) with s = seq/cp, b = batch_size x
+  micro_batch_interleave_num, h = hidden, a = heads, t = tp: 34*s*b*h/t with sequence parallel,
+  s*b*h*(10 + 24/t) without; plus 5*a*s*s*b/t for the attention matrix unless flash attention is on.
+  Full recompute keeps only the layer input, 2*s*b*h (/t with sequence parallel). Pipeline 1F1B keeps
+  min(micro_batch_num, pp) micro-batches in flight on the first stage (all of them for GPipe).
+- Logits: fp32 s*b*V (/t when vocab parallel) on the last stage. Buffers, fragmentation and communication
+  scratch space are not counted.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from .config.schema import ParallelConfig
+    from .plan import Plan
+
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    params_per_rank: int
+    weights_gib: float
+    grads_gib: float
+    optimizer_gib: float
+    activations_gib: float
+    activations_no_recompute_gib: float
+    logits_gib: float
+    total_gib: float
+
+    def as_dict(self) -> dict:
+        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+def param_counts(cfg: "ParallelConfig") -> Optional[tuple[int, int]]:
+    """(parameters per decoder layer, embedding-or-head parameters), or None when the shape is unknown."""
+    m = cfg.model
+    if None in (m.num_layers, m.hidden_size, m.num_heads, m.vocab_size):
+        return None
+    h = m.hidden_size
+    head_dim = h // m.num_heads
+    kv = m.kv_heads * head_dim
+    ffn = m.ffn_hidden_size or 256 * math.ceil(8 * h / 3 / 256)
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h
+    return per_layer, m.vocab_size * h
+
+
+def estimate_memory(plan: "Plan") -> Optional[MemoryEstimate]:
+    cfg = plan.config
+    m = cfg.model
+    counts = param_counts(cfg)
+    if counts is None or m.seq_length is None:
+        return None
+    per_layer, embed = counts
+    mesh = plan.mesh
+    t, p = mesh.tp, mesh.pp
+    stage_layers = max(sum(col) for col in zip(*plan.layers_per_stage)) if plan.layers_per_stage else m.num_layers
+    vocab_split = t if plan.vocab_parallel else 1
+    # pp == 1: embedding and head both here (head untied); pp > 1: one of them on the worst stage
+    embed_params = embed * (2 if p == 1 else 1) // vocab_split
+    params = stage_layers * per_layer // t + embed_params
+    wbytes = 2 if plan.compute_dtype in ("bf16", "fp16") else 4
+    obytes = 12 if wbytes == 2 else 8
+    z, shard = plan.zero.stage, mesh.dp * mesh.cp
+    weights = params * wbytes / (shard if z >= 3 else 1)
+    grads = params * wbytes / (shard if z >= 2 else 1)
+    optim = params * obytes / (shard if z >= 1 else 1)
+
+    s = m.seq_length // mesh.cp
+    b = plan.micro_batch_size * plan.micro_batch_interleave_num
+    h, a = m.hidden_size, m.num_heads
+    layer_act = 34 * s * b * h / t if plan.sequence_parallel else s * b * h * (10 + 24 / t)
+    if not m.use_flash_attention:
+        layer_act += 5 * a * s * s * b / t
+    layer_ckpt = 2 * s * b * h / (t if plan.sequence_parallel else 1)
+    in_flight = 1 if p == 1 else (plan.micro_batch_num if plan.pp_schedule == "gpipe"
+                                  else min(plan.micro_batch_num, p))
+    no_recompute = stage_layers * layer_act * in_flight
+    rc = plan.recompute
+    if rc.mode == "full":
+        recomputed = stage_layers
+    elif rc.mode == "layers" and rc.layers:
+        recomputed = min(stage_layers, max(sum(col) for col in zip(*rc.layers)))
+    else:
+        recomputed = 0
+    act = ((stage_layers - recomputed) * layer_act + recomputed * layer_ckpt) * in_flight
+    logits = 4 * s * b * m.vocab_size / vocab_split
+    total = weights + grads + optim + act + logits
+    return MemoryEstimate(params_per_rank=int(params), weights_gib=weights / GIB, grads_gib=grads / GIB,
+                          optimizer_gib=optim / GIB, activations_gib=act / GIB,
+                          activations_no_recompute_gib=no_recompute / GIB, logits_gib=logits / GIB,
+                          total_gib=total / GIB)
