@@ -202,12 +202,18 @@ def _offset_rules(cfg: ParallelConfig):
         return
     remainder = n % (pp * vpp)
     if _offset_sum(offset) != remainder:
-        yield ConfigIssue(key, offset, f"must sum to num_layers{' + mtp_depth' if cfg.model.mtp_depth else ''} % (pipeline_stage x pp_interleave_num) = "
+        layers = "num_layers + mtp_depth" if cfg.model.mtp_depth else "num_layers"
+        yield ConfigIssue(key, offset, f"must sum to {layers} % (pipeline_stage x pp_interleave_num) = "
                           f"{n} % {pp * vpp} = {remainder}, but sums to {_offset_sum(offset)}",
                           "adjust the offsets so they add up to the remainder (layers per stage = "
                           f"{n // (pp * vpp)} + offset)")
         return
     counts = layers_per_stage(n, pp, vpp, offset)
+    if sum(map(sum, counts)) != n:  # a flat list is applied to every virtual chunk
+        yield ConfigIssue(key, offset, f"gives {sum(map(sum, counts))} layers in total, not {n} "
+                          f"(a per-stage list applies to each of the {vpp} virtual chunks)",
+                          f"give {vpp} rows of {pp} offsets, one row per virtual chunk")
+        return
     if any(c < 1 for row in counts for c in row):
         yield ConfigIssue(key, offset, f"leaves a stage without layers (layers per stage {counts})",
                           "make every num_layers // (pp x vpp) + offset at least 1")

@@ -1,0 +1,179 @@
+"""ParallelLayout: the one owner of topology. Built once from a Plan inside an initialized process group.
+
+One DeviceMesh with dims ("pp", "dp", "cp_ring", "cp_ulysses", "tp"), outermost first, so
+    rank = (((pp_i*dp + d)*cp_ring + r)*cp_ulysses + u)*tp + t          (DESIGN.md, MindFormers/Megatron order)
+plus flattened dims: "cp" = cp_ring x cp_ulysses, "dp_cp" = dp x cp (ZeRO partitions and gradients reduce over
+it: cp ranks hold the same weights), "pp_tp" = pp x tp (the Megatron "model parallel" group: DeepSpeed sums
+gradient norms over it). Every name has a group on every rank, size-1 ones included (DeepSpeed calls them).
+No module-level state: pass the layout to whatever needs a group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["ParallelLayout", "init_parallel", "MESH_DIMS", "GROUP_NAMES"]
+
+MESH_DIMS = ("pp", "dp", "cp_ring", "cp_ulysses", "tp")
+_FLATTENED = {"cp": ("cp_ring", "cp_ulysses"), "dp_cp": ("dp", "cp_ring", "cp_ulysses"), "pp_tp": ("pp", "tp")}
+GROUP_NAMES = MESH_DIMS + tuple(_FLATTENED)
+
+
+def _require_dist() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "msparallel_ds needs an initialized torch.distributed process group: call "
+            "torch.distributed.init_process_group(...) first, or launch the script with "
+            "torchrun / deepspeed / accelerate launch (which set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).")
+
+
+def _mesh_sizes(plan: Any) -> dict[str, int]:
+    """Mesh sizes from plan.mesh, read by attribute or by key."""
+    mesh = plan.mesh
+    sizes = {}
+    for name in MESH_DIMS:
+        value = mesh[name] if isinstance(mesh, Mapping) else getattr(mesh, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"plan.mesh.{name}={value!r}: mesh sizes must be positive integers")
+        sizes[name] = value
+    cp = mesh.get("cp") if isinstance(mesh, Mapping) else getattr(mesh, "cp", None)
+    if cp is not None and cp != sizes["cp_ring"] * sizes["cp_ulysses"]:
+        raise ValueError(f"plan.mesh.cp={cp} must equal cp_ring*cp_ulysses="
+                         f"{sizes['cp_ring']}*{sizes['cp_ulysses']}")
+    return sizes
+
+
+def _default_device_type() -> str:
+    return "cuda" if "nccl" in str(dist.get_backend()) and torch.cuda.is_available() else "cpu"
+
+
+def _default_timeout(device_type: str) -> timedelta:
+    """The default group's timeout (what init_process_group was given), else torch's default."""
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        return pg._get_backend(torch.device(device_type)).options._timeout
+    except Exception:  # private API; fall back rather than fail
+        return dist.distributed_c10d.default_pg_timeout
+
+
+def _backend_options(timeout: timedelta):
+    """Options that carry `timeout` into DeviceMesh's subgroups.
+
+    init_device_mesh / _flatten create subgroups with torch's default timeout (30 min), not the timeout given
+    to init_process_group; they only take one from backend options (`pg_options._timeout`).
+    """
+    if "nccl" in str(dist.get_backend()):
+        opts = dist.ProcessGroupNCCL.Options()  # NCCL rejects generic options
+    else:
+        opts = torch._C._distributed_c10d.Backend.Options(str(dist.get_backend()), timeout)
+    opts._timeout = timeout
+    return opts
+
+
+class ParallelLayout:
+    """The DeviceMesh and every process group of one run, built from a Plan (see module docstring).
+
+    size(name), rank(name), group(name), ranks(name) for name in GROUP_NAMES; rank(name) is this rank's
+    coordinate in that dim (its index in ranks(name)).
+    """
+
+    def __init__(self, plan: Any, *, device_type: str | None = None,
+                 timeout: timedelta | float | None = None):
+        _require_dist()
+        sizes = _mesh_sizes(plan)
+        world = dist.get_world_size()
+        shape = tuple(sizes[n] for n in MESH_DIMS)
+        product = 1
+        for s in shape:
+            product *= s
+        if plan.world_size != world or product != world:
+            raise ValueError(
+                f"the plan is for world_size={plan.world_size} (mesh pp*dp*cp_ring*cp_ulysses*tp = "
+                f"{'*'.join(map(str, shape))} = {product}) but torch.distributed has world_size={world}: "
+                f"make the plan with make_plan(cfg, world_size={world}) or launch {plan.world_size} processes")
+        self.plan = plan
+        self.device_type = device_type or _default_device_type()
+        if timeout is None:
+            timeout = _default_timeout(self.device_type)
+        elif not isinstance(timeout, timedelta):
+            timeout = timedelta(seconds=float(timeout))
+        self.timeout = timeout
+        self.world_size = world
+        self.global_rank = dist.get_rank()
+        self._sizes = dict(sizes, cp=sizes["cp_ring"] * sizes["cp_ulysses"],
+                           dp_cp=sizes["dp"] * sizes["cp_ring"] * sizes["cp_ulysses"],
+                           pp_tp=sizes["pp"] * sizes["tp"])
+
+        opts = (None, _backend_options(timeout))
+        self.mesh: DeviceMesh = init_device_mesh(
+            self.device_type, shape, mesh_dim_names=MESH_DIMS,
+            backend_override={name: opts for name in MESH_DIMS})
+        # Keep the flattened 1-D meshes ourselves: slicing them back out of the root mesh is deprecated.
+        self._meshes = {name: self.mesh[name] for name in MESH_DIMS}
+        for name, dims in _FLATTENED.items():
+            self._meshes[name] = self.mesh[dims]._flatten(name, backend_override=opts)
+        self._groups = {name: m.get_group() for name, m in self._meshes.items()}
+        self._ranks = {name: tuple(dist.get_process_group_ranks(g)) for name, g in self._groups.items()}
+
+    def _check(self, name: str) -> str:
+        if name not in self._groups:
+            raise ValueError(f"unknown parallel dim {name!r}; valid names: {', '.join(GROUP_NAMES)}")
+        return name
+
+    def size(self, name: str) -> int:
+        return self._sizes[self._check(name)]
+
+    def rank(self, name: str) -> int:
+        """This rank's coordinate in dim `name` (its rank inside group(name))."""
+        return self._ranks[self._check(name)].index(self.global_rank)
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        return self._groups[self._check(name)]
+
+    def ranks(self, name: str) -> tuple[int, ...]:
+        """Global ranks of this rank's group for `name`, in group-rank order."""
+        return self._ranks[self._check(name)]
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return {name: self.rank(name) for name in GROUP_NAMES}
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.rank("pp") == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.rank("pp") == self.size("pp") - 1
+
+    def mpu(self):
+        """DeepSpeed's `mpu` duck type over this layout (pass to deepspeed.initialize(mpu=...))."""
+        from .mpu import DeepSpeedMPU
+
+        return DeepSpeedMPU(self)
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{n}={self.rank(n)}/{self.size(n)}" for n in MESH_DIMS)
+        return f"ParallelLayout(rank={self.global_rank}/{self.world_size}, {dims}, device={self.device_type})"
+
+
+def init_parallel(cfg_or_plan: Any, *, device_type: str | None = None,
+                  timeout: timedelta | float | None = None) -> ParallelLayout:
+    """Build the ParallelLayout from a Plan, or from a ParallelConfig (planned for the current world size).
+
+    Needs an initialized torch.distributed. `timeout` (timedelta or seconds) applies to every mesh group;
+    default: the timeout the default group was created with.
+    """
+    _require_dist()
+    plan = cfg_or_plan
+    if not (hasattr(plan, "mesh") and hasattr(plan, "world_size")):
+        from msparallel_ds.plan import make_plan
+
+        plan = make_plan(cfg_or_plan, world_size=dist.get_world_size())
+    return ParallelLayout(plan, device_type=device_type, timeout=timeout)

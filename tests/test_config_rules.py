@@ -1,0 +1,231 @@
+"""Every MindFormers rule (and ours) gives one clear ConfigError issue naming key, value, rule and fix."""
+import warnings
+
+import pytest
+
+import msparallel_ds as msp
+from msparallel_ds.config import ConfigWarning
+
+SHAPE = {"num_layers": 8, "num_heads": 8, "n_kv_heads": 4, "hidden_size": 64, "seq_length": 128,
+         "vocab_size": 256, "use_flash_attention": True}
+
+
+def cfg(pc=None, model=None, **top):
+    d = {"parallel_config": pc or {}, "model": {"model_config": {**SHAPE, **(model or {})}}}
+    d.update(top)
+    return d
+
+
+def issue(d, key):
+    with pytest.raises(msp.ConfigError) as ei:
+        msp.make_plan(msp.load_config(d))
+    err = ei.value
+    hits = [i for i in err.issues if i.key == key]
+    assert hits, f"no issue for {key}: {err}"
+    text = str(hits[0])
+    assert key in text and hits[0].fix, text
+    return hits[0], err
+
+
+def test_world_size_must_equal_product_of_degrees():
+    c = msp.load_config(cfg({"data_parallel": 2, "model_parallel": 2, "pipeline_stage": 2, "micro_batch_num": 2}))
+    assert msp.make_plan(c, world_size=8).world_size == 8
+    with pytest.raises(msp.ConfigError) as ei:
+        msp.make_plan(c, world_size=6)
+    msg = str(ei.value)
+    assert "2x2x1x2 = 8" in msg and "data_parallel" in msg and "pipeline_stage" in msg
+
+
+def test_hybrid_ulysses_degree_must_divide_cp():
+    i, _ = issue(cfg({"context_parallel": 4, "context_parallel_algo": "hybrid_cp", "ulysses_degree_in_cp": 3}),
+                 "parallel_config.ulysses_degree_in_cp")
+    assert "must divide parallel_config.context_parallel=4" in str(i) and "[1, 2, 4]" in i.fix
+
+
+def test_hybird_spelling_is_accepted_as_hybrid():
+    p = msp.make_plan(cfg({"context_parallel": 4, "context_parallel_algo": "hybird_cp", "ulysses_degree_in_cp": 2}))
+    assert p.cp_algo == "hybrid" and (p.mesh.cp_ring, p.mesh.cp_ulysses) == (2, 2)
+
+
+def test_unknown_parallel_config_key_suggests_closest():
+    i, _ = issue(cfg({"data_paralel": 2}), "parallel_config.data_paralel")
+    assert "data_parallel" in i.fix
+
+
+def test_optimizer_shard_is_deprecated_with_warning():
+    with pytest.warns(ConfigWarning, match="optimizer_shard"):
+        msp.load_config(cfg({"optimizer_shard": True}))
+
+
+def test_ulysses_needs_cp_times_mp_within_kv_heads():
+    i, _ = issue(cfg({"context_parallel": 4, "model_parallel": 2, "context_parallel_algo": "ulysses_cp"}),
+                 "parallel_config.context_parallel")
+    assert "<= kv heads (4)" in str(i)
+
+
+@pytest.mark.parametrize("pc,key", [
+    ({"model_parallel": 3}, "model.model_config.num_heads"),
+    ({"model_parallel": 8}, "model.model_config.n_kv_heads"),
+    ({"context_parallel": 4, "context_parallel_algo": "hybrid_cp", "ulysses_degree_in_cp": 4, "model_parallel": 2},
+     "model.model_config.n_kv_heads"),
+])
+def test_heads_must_divide_over_mp_times_ulysses(pc, key):
+    issue(cfg(pc), key)
+
+
+def test_gqa_heads_must_divide():
+    issue(cfg(model={"num_heads": 8, "n_kv_heads": 3}), "model.model_config.n_kv_heads")
+
+
+def test_fine_grain_interleave_needs_sp_or_cp():
+    i, _ = issue(cfg({"model_parallel": 2}, {"fine_grain_interleave": 2}), "model.model_config.fine_grain_interleave")
+    assert "use_seq_parallel" in i.fix
+    assert msp.make_plan(cfg({"model_parallel": 2, "use_seq_parallel": True},
+                             {"fine_grain_interleave": 2})).fine_grain_interleave == 2
+    assert msp.make_plan(cfg({"model_parallel": 2, "context_parallel": 2},
+                             {"fine_grain_interleave": 2})).fine_grain_interleave == 2
+
+
+def test_fine_grain_interleave_inert_without_mp():
+    with pytest.warns(ConfigWarning, match="only acts with model_parallel > 1"):
+        p = msp.make_plan(cfg({"use_seq_parallel": True}, {"fine_grain_interleave": 2}))
+    assert p.fine_grain_interleave == 1
+
+
+def test_vocab_emb_dp_forced_false_with_pipeline():
+    with pytest.warns(ConfigWarning, match="vocab_emb_dp"):
+        p = msp.make_plan(cfg({"model_parallel": 2, "pipeline_stage": 2, "micro_batch_num": 2, "vocab_emb_dp": True}))
+    assert p.vocab_parallel
+    assert not msp.make_plan(cfg({"model_parallel": 2, "vocab_emb_dp": True})).vocab_parallel
+    assert msp.make_plan(cfg({"model_parallel": 2, "vocab_emb_dp": False})).vocab_parallel
+
+
+def test_micro_batch_num_at_least_pipeline_stage():
+    i, _ = issue(cfg({"pipeline_stage": 4, "micro_batch_num": 2}), "parallel_config.micro_batch_num")
+    assert ">= parallel_config.pipeline_stage=4" in str(i)
+    # ignored without a pipeline
+    assert msp.make_plan(cfg({"micro_batch_num": 1})).micro_batch_num == 1
+
+
+def test_num_layers_at_least_pipeline_stage():
+    issue(cfg({"pipeline_stage": 4, "micro_batch_num": 4}, {"num_layers": 3, "offset": [0, 0, 0, 3]}),
+          "model.model_config.num_layers")
+
+
+def test_recompute_list_longer_than_pp():
+    d = cfg({"pipeline_stage": 2, "micro_batch_num": 2}, recompute_config={"recompute": [1, 1, 1]})
+    i, _ = issue(d, "recompute_config.recompute")
+    assert "only 2 pipeline stages" in str(i)
+    d = cfg({"pipeline_stage": 2, "micro_batch_num": 2},
+            recompute_config={"select_recompute": {r"feed_forward\.mul": [1, 1, 1]}})
+    issue(d, r"recompute_config.select_recompute['feed_forward\\.mul']")
+
+
+@pytest.mark.parametrize("offset,fragment", [
+    ([1, 0], None),
+    ([0, 0, 1], "one value per pipeline stage (2)"),
+    ([1, -1], "must sum to num_layers % (pipeline_stage x pp_interleave_num) = 9 % 2 = 1, but sums to 0"),
+    ([-5, 6], "leaves a stage without layers"),
+])
+def test_offset_rules(offset, fragment):
+    d = cfg({"pipeline_stage": 2, "micro_batch_num": 2}, {"num_layers": 9, "offset": offset})
+    if fragment is None:
+        assert msp.make_plan(d).layers_per_stage == [[5, 4]]
+        return
+    i, _ = issue(d, "model.model_config.offset")
+    assert fragment in str(i)
+
+
+def test_offset_per_virtual_chunk():
+    par = {"pipeline_config": {"pipeline_interleave": True}}
+    d = cfg({"pipeline_stage": 2, "micro_batch_num": 4}, {"num_layers": 10, "pp_interleave_num": 2,
+                                                          "offset": [[1, 0], [0, 1]]}, parallel=par)
+    p = msp.make_plan(d)
+    assert p.layers_per_stage == [[3, 2], [2, 3]] and p.pp_schedule == "interleaved_1f1b"
+    assert p.pp_virtual_stages == 2
+    # MindFormers sums a flat list (2 == 10 % 4) but then applies it to both chunks: 12 layers, not 10
+    d["model"]["model_config"]["offset"] = [1, 1]
+    i, _ = issue(d, "model.model_config.offset")
+    assert "gives 12 layers in total, not 10" in str(i)
+
+
+def test_context_parallel_needs_flash_attention_when_switched_off():
+    i, _ = issue(cfg({"context_parallel": 2}, {"use_flash_attention": False}), "model.model_config.use_flash_attention")
+    assert "true" in i.fix
+
+
+@pytest.mark.parametrize("pc,seq,fragment", [
+    ({"context_parallel": 4, "context_parallel_algo": "colossalai_cp"}, 100, "divisible by 8"),
+    ({"context_parallel": 4, "context_parallel_algo": "ulysses_cp"}, 102, "divisible by 4"),
+    ({"model_parallel": 4, "use_seq_parallel": True}, 102, "for sequence parallel"),
+])
+def test_sequence_must_split_evenly(pc, seq, fragment):
+    model = {"num_heads": 16, "n_kv_heads": 16}
+    i, _ = issue(cfg(pc, {**model, "seq_length": seq}), "model.model_config.seq_length")
+    assert fragment in str(i)
+    msp.make_plan(cfg(pc, {**model, "seq_length": 128}))
+
+
+def test_unsupported_scheduler_and_zero_bubble_v_shape():
+    par = {"pipeline_config": {"pipeline_scheduler": "seqpipe"}}
+    i, _ = issue(cfg({"pipeline_stage": 2, "micro_batch_num": 2}, parallel=par),
+                 "parallel.pipeline_config.pipeline_scheduler")
+    assert "1f1b" in str(i) and "gpipe" in str(i) and "zero_bubble_v" in str(i)
+    par = {"pipeline_config": {"pipeline_scheduler": "zero_bubble_v"}}
+    issue(cfg({"pipeline_stage": 2, "micro_batch_num": 2}, parallel=par), "parallel.pipeline_config.pipeline_scheduler")
+    par = {"pipeline_config": {"pipeline_scheduler": "zero_bubble_v", "pipeline_interleave": True}}
+    p = msp.make_plan(cfg({"pipeline_stage": 2, "micro_batch_num": 2}, {"pp_interleave_num": 2}, parallel=par))
+    assert p.pp_schedule == "zero_bubble_v" and p.pp_virtual_stages == 2
+    # a scheduler without a pipeline is irrelevant
+    msp.make_plan(cfg({}, parallel={"pipeline_config": {"pipeline_scheduler": "seqpipe"}}))
+
+
+def test_optimizer_weight_shard_size_must_divide_group():
+    par = {"enable_parallel_optimizer": True, "parallel_optimizer_config": {"optimizer_weight_shard_size": 3}}
+    issue(cfg({"data_parallel": 4}, parallel=par), "parallel.parallel_optimizer_config.optimizer_weight_shard_size")
+
+
+def test_all_problems_are_listed_at_once():
+    d = cfg({"context_parallel": 4, "context_parallel_algo": "hybrid_cp", "ulysses_degree_in_cp": 3,
+             "pipeline_stage": 4, "micro_batch_num": 1, "model_parallel": 3})
+    with pytest.raises(msp.ConfigError) as ei:
+        msp.load_config(d)
+    keys = set(ei.value.keys)
+    assert {"parallel_config.ulysses_degree_in_cp", "parallel_config.micro_batch_num",
+            "model.model_config.num_heads"} <= keys
+    assert f"{len(ei.value.issues)} problems" in str(ei.value)
+
+
+def test_type_errors_are_all_reported_with_key_paths():
+    d = {"parallel_config": {"data_parallel": "two", "model_parallel": 0, "use_seq_parallel": "yes"},
+         "model": {"model_config": {"num_heads": -3}}, "runner_config": {"batch_size": 1.5}}
+    with pytest.raises(msp.ConfigError) as ei:
+        msp.load_config(d)
+    assert {"parallel_config.data_parallel", "parallel_config.model_parallel", "parallel_config.use_seq_parallel",
+            "model.model_config.num_heads", "runner_config.batch_size"} <= set(ei.value.keys)
+
+
+@pytest.mark.parametrize("mode", [0, "data_parallel"])
+def test_data_parallel_mode_resets_model_parallel(mode):
+    d = cfg({"data_parallel": 2, "model_parallel": 2, "use_seq_parallel": True}, parallel={"parallel_mode": mode})
+    with pytest.warns(ConfigWarning, match="resets"):
+        c = msp.load_config(d)
+    p = msp.make_plan(c, world_size=8)
+    assert p.mesh.as_dict() == {"pp": 1, "dp": 8, "cp": 1, "cp_ring": 1, "cp_ulysses": 1, "tp": 1}
+    assert not p.sequence_parallel
+
+
+def test_stand_alone_is_one_device():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)
+        c = msp.load_config(cfg({"data_parallel": 4}, use_parallel=False))
+    assert msp.make_plan(c).world_size == 1
+    with pytest.raises(msp.ConfigError):
+        msp.make_plan(c, world_size=4)
+
+
+def test_config_is_immutable():
+    c = msp.load_config(cfg({"data_parallel": 2}))
+    with pytest.raises(Exception):
+        c.parallel_config.data_parallel = 4
+    assert c.dp == 2
