@@ -45,10 +45,15 @@ def _rows(plan: "Plan") -> list[tuple[str, str]]:
     ]
     if plan.memory:
         mem = plan.memory
-        rows += [("memory / rank (GiB, est.)",
-                  f"{mem.total_gib:.1f} = weights {mem.weights_gib:.1f} + grads {mem.grads_gib:.1f} + optimizer "
-                  f"{mem.optimizer_gib:.1f} + activations {mem.activations_gib:.1f} + logits {mem.logits_gib:.1f}"),
-                 ("activations without recompute", f"{mem.activations_no_recompute_gib:.1f} GiB")]
+        unit, scale = ("GiB", 1.0) if mem.total_gib >= 0.1 else ("MiB", 1024.0)
+
+        def f(x: float) -> str:
+            return f"{x * scale:.1f}"
+
+        rows += [(f"memory / rank ({unit}, est.)",
+                  f"{f(mem.total_gib)} = weights {f(mem.weights_gib)} + grads {f(mem.grads_gib)} + optimizer "
+                  f"{f(mem.optimizer_gib)} + activations {f(mem.activations_gib)} + logits {f(mem.logits_gib)}"),
+                 ("activations without recompute", f"{f(mem.activations_no_recompute_gib)} {unit}")]
     return rows
 
 
