@@ -120,7 +120,7 @@ def test_precision_loss_scale_and_clipping():
     p = plan(model={"compute_dtype": "bfloat16"}, runner_wrapper=rw)
     assert p.loss_scale.kind is None and "bf16" in p.to_deepspeed() and p.notes
     p = plan(model={"compute_dtype": "float16"}, runner_wrapper={"scale_sense": 1024})
-    assert p.to_deepspeed()["fp16"]["loss_scale"] == 1024 and "gradient_clipping" not in p.to_deepspeed()
+    assert p.to_deepspeed()["fp16"]["loss_scale"] == 1024 and p.to_deepspeed()["gradient_clipping"] == 0.0
 
 
 def test_memory_estimate_by_hand():

@@ -10,6 +10,7 @@ No module-level state: pass the layout to whatever needs a group.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -89,14 +90,15 @@ class ParallelLayout:
         sizes = _mesh_sizes(plan)
         world = dist.get_world_size()
         shape = tuple(sizes[n] for n in MESH_DIMS)
-        product = 1
-        for s in shape:
-            product *= s
-        if plan.world_size != world or product != world:
+        product = math.prod(shape)
+        if product != plan.world_size:
+            raise ValueError(f"plan.mesh pp*dp*cp_ring*cp_ulysses*tp = {'*'.join(map(str, shape))} = {product} "
+                             f"but plan.world_size={plan.world_size}")
+        if plan.world_size != world:
             raise ValueError(
-                f"the plan is for world_size={plan.world_size} (mesh pp*dp*cp_ring*cp_ulysses*tp = "
-                f"{'*'.join(map(str, shape))} = {product}) but torch.distributed has world_size={world}: "
-                f"make the plan with make_plan(cfg, world_size={world}) or launch {plan.world_size} processes")
+                f"the plan was made for world_size={plan.world_size} but torch.distributed has "
+                f"world_size={world}: make the plan with make_plan(cfg, world_size={world}) (or pass the config "
+                f"to init_parallel), or launch {plan.world_size} processes")
         self.plan = plan
         self.device_type = device_type or _default_device_type()
         if timeout is None:
@@ -106,9 +108,7 @@ class ParallelLayout:
         self.timeout = timeout
         self.world_size = world
         self.global_rank = dist.get_rank()
-        self._sizes = dict(sizes, cp=sizes["cp_ring"] * sizes["cp_ulysses"],
-                           dp_cp=sizes["dp"] * sizes["cp_ring"] * sizes["cp_ulysses"],
-                           pp_tp=sizes["pp"] * sizes["tp"])
+        self._sizes = {**sizes, **{n: math.prod(sizes[d] for d in dims) for n, dims in _FLATTENED.items()}}
 
         opts = (None, _backend_options(timeout))
         self.mesh: DeviceMesh = init_device_mesh(

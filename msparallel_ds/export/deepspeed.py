@@ -34,8 +34,8 @@ def to_deepspeed(plan: "Plan", *, with_mpu: bool = True, include_optimizer: bool
     # We pass torch optimizers on CPU (no JIT build) and ZeRO must accept them.
     ds["zero_allow_untested_optimizer"] = True
     ds.update(_precision(plan))
-    if plan.gradient_clipping:
-        ds["gradient_clipping"] = plan.gradient_clipping
+    # DeepSpeed 0.19 clips at 1.0 unless told otherwise; MindFormers clips only with use_clip_grad.
+    ds["gradient_clipping"] = plan.gradient_clipping or 0.0
     if include_optimizer and plan.optimizer and plan.optimizer["type"] == "AdamW":
         ds["optimizer"] = {"type": "AdamW", "params": dict(plan.optimizer["params"])}
     if include_scheduler:
