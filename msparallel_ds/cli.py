@@ -83,9 +83,18 @@ def _cmd_validate(args) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    warnings.simplefilter("default", ConfigWarning)
-    warnings.formatwarning = lambda msg, cat, *a, **k: f"warning: {msg}\n"
     handler = {"plan": _cmd_plan, "export": _cmd_export, "validate": _cmd_validate}[args.command]
+    with warnings.catch_warnings():
+        warnings.simplefilter("default", ConfigWarning)
+        show = warnings.showwarning
+        warnings.showwarning = lambda msg, cat, *a, **k: print(f"warning: {msg}", file=sys.stderr)
+        try:
+            return _run(handler, args)
+        finally:
+            warnings.showwarning = show
+
+
+def _run(handler, args) -> int:
     try:
         return handler(args)
     except ConfigError as exc:

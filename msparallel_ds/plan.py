@@ -326,17 +326,33 @@ def _per_stage(value: Any, pp: int, vpp: int, layers: Optional[list[list[int]]])
         counts = list(value) + [0] * (pp - len(value))
         if layers is None:
             return [counts] if vpp == 1 else counts
-        # spread each stage's count over its virtual chunks round-robin, as LayerSetting does
         grid = [[0] * pp for _ in range(vpp)]
         for j, n in enumerate(counts):
-            n = min(n, sum(layers[i][j] for i in range(vpp)))
-            while n:
-                for i in range(vpp):
-                    if n and grid[i][j] < layers[i][j]:
-                        grid[i][j] += 1
-                        n -= 1
+            for i, got in enumerate(_round_robin(n, [layers[i][j] for i in range(vpp)])):
+                grid[i][j] = got
         return grid
     return "all"
+
+
+def _round_robin(n: int, caps: list[int]) -> list[int]:
+    """LayerSetting hands a stage's n recomputed layers to its virtual chunks one at a time, round-robin,
+    skipping full chunks. Closed form: every chunk gets min(cap, k) for the largest k that fits, and the
+    remaining layers go one each to the first chunks that still have room."""
+    n = min(n, sum(caps))
+    lo, hi = 0, max(caps, default=0)
+    while lo < hi:  # largest k with sum(min(c, k)) <= n
+        mid = (lo + hi + 1) // 2
+        if sum(min(c, mid) for c in caps) <= n:
+            lo = mid
+        else:
+            hi = mid - 1
+    got = [min(c, lo) for c in caps]
+    rest = n - sum(got)
+    for i, c in enumerate(caps):
+        if rest and c > lo:
+            got[i] += 1
+            rest -= 1
+    return got
 
 
 def _recompute(cfg: ParallelConfig, pp: int, vpp: int, layers) -> RecomputePlan:
@@ -373,6 +389,12 @@ def _loss_scale(cfg: ParallelConfig, notes: list[str]) -> LossScalePlan:
             notes.append(f"loss scaling ({ls.kind}, {ls.value:g}) is not needed with "
                          f"{cfg.model.compute_dtype} compute; DeepSpeed bf16/fp32 runs unscaled")
         return LossScalePlan(kind=None)
+    if ls.kind == "dynamic":
+        if ls.factor != 2:
+            notes.append(f"scale_factor={ls.factor:g}: DeepSpeed's dynamic loss scaler always uses 2")
+        if math.log2(ls.value) != round(math.log2(ls.value)):
+            notes.append(f"loss_scale_value={ls.value:g} starts at 2^{round(math.log2(ls.value))} in DeepSpeed "
+                         "(initial scales are powers of two)")
     return LossScalePlan(kind=ls.kind, initial=ls.value, factor=ls.factor, window=ls.window)
 
 

@@ -229,3 +229,34 @@ def test_config_is_immutable():
     with pytest.raises(Exception):
         c.parallel_config.data_parallel = 4
     assert c.dp == 2
+
+
+def test_errors_use_the_spelling_the_yaml_used():
+    d = {"parallel_config": {"model_parallel": 3},
+         "model": {"model_config": {"num_attention_heads": 8, "num_key_value_heads": 4}}}
+    with pytest.raises(msp.ConfigError) as ei:
+        msp.load_config(d)
+    assert ei.value.keys == ["model.model_config.num_attention_heads"]
+    with pytest.raises(msp.ConfigError) as ei:
+        msp.load_config({"model": {"model_config": {"num_hidden_layers": -1}}})
+    assert ei.value.keys == ["model.model_config.num_hidden_layers"]
+
+
+def test_parallelism_shard_zero_is_rejected():
+    with pytest.raises(msp.ConfigError) as ei:
+        msp.load_config({"parallelism": {"data_parallel_shard": 0}})
+    assert ei.value.keys == ["parallelism.data_parallel_shard"]
+
+
+def test_one_line_yaml_text_with_slashes_is_text_not_a_path():
+    c = msp.load_config("{parallel_config: {data_parallel: 2}, output_dir: ./out/x}")
+    assert c.dp == 2
+
+
+def test_dynamic_loss_scale_matches_mindspore_cell():
+    rw = {"scale_sense": {"type": "DynamicLossScaleUpdateCell", "loss_scale_value": 1000, "scale_factor": 4,
+                          "scale_window": 50}}
+    p = msp.make_plan({"model": {"model_config": {"compute_dtype": "float16"}}, "runner_wrapper": rw})
+    fp16 = p.to_deepspeed()["fp16"]
+    assert fp16["hysteresis"] == 1 and fp16["loss_scale_window"] == 50 and fp16["initial_scale_power"] == 10
+    assert any("scale_factor=4" in n for n in p.notes) and any("2^10" in n for n in p.notes)

@@ -1,12 +1,18 @@
 """ConfigError: every problem in a configuration, reported at once, each naming key, value, rule and fix."""
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
 
+_REPR = reprlib.Repr()  # Python 3.10 has no keyword arguments here
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 6, 4, 60, 60, 40
+
+
 def _show(value: Any) -> str:
-    text = repr(value) if isinstance(value, str) else str(value)
+    # bounded: a hostile value (e.g. a YAML alias bomb) must not be expanded into the message
+    text = _REPR.repr(value)
     text = text.replace("\n", " ")
     return text if len(text) <= 80 else text[:77] + "..."
 

@@ -2,6 +2,7 @@
 -> ParallelConfig. Every failure becomes a ConfigError naming the YAML key; nothing else escapes."""
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import warnings
@@ -74,23 +75,38 @@ def _read(source: Any, label: str | None) -> tuple[Any, str | None]:
         return source, label or "<dict>"
     if isinstance(source, bytes):
         return _parse(source, label or "<bytes>"), label or "<bytes>"
-    if isinstance(source, (str, os.PathLike)):
-        text = os.fspath(source)
-        looks_like_path = isinstance(source, os.PathLike) or ("\n" not in text and (
-            text.endswith((".yaml", ".yml", ".json")) or os.sep in text or Path(text).exists()))
-        if looks_like_path:
-            path = Path(text)
-            label = label or str(path)
-            if not path.is_file():
-                raise ConfigError([ConfigIssue("file", text, "does not exist or is not a file",
-                                               "pass the path of a MindFormers YAML")], label)
-            if path.stat().st_size > MAX_FILE_BYTES:
-                raise ConfigError([ConfigIssue("file", text, f"is larger than {MAX_FILE_BYTES >> 20} MiB",
-                                               "pass a MindFormers YAML, not a data file")], label)
-            return _parse(path.read_bytes(), label), label
-        return _parse(text.encode("utf-8", "surrogatepass"), label or "<yaml text>"), label or "<yaml text>"
+    if isinstance(source, os.PathLike):
+        return _read_file(Path(source), label)
+    if isinstance(source, str):
+        if _names_a_file(source):
+            return _read_file(Path(source), label)
+        return _parse(source.encode("utf-8", "surrogatepass"), label or "<yaml text>"), label or "<yaml text>"
     raise ConfigError([ConfigIssue("", type(source).__name__, "is not a path, a mapping or YAML text",
                                    "pass a MindFormers YAML file path, YAML text or a dict")], label)
+
+
+def _names_a_file(text: str) -> bool:
+    """A one-line string is a path when it names an existing file or looks like a YAML file name; anything
+    with a newline, or a one-line mapping such as `{parallel_config: {...}}`, is YAML text."""
+    if "\n" in text or len(text) > 4096:
+        return False
+    try:
+        if Path(text).is_file():
+            return True
+    except (OSError, ValueError):  # too long for a file name, NUL bytes, ...
+        return False
+    return text.strip().endswith((".yaml", ".yml", ".json")) and not text.lstrip().startswith(("{", "["))
+
+
+def _read_file(path: Path, label: str | None) -> tuple[Any, str]:
+    label = label or str(path)
+    if not path.is_file():
+        raise ConfigError([ConfigIssue("file", str(path), "does not exist or is not a file",
+                                       "pass the path of a MindFormers YAML")], label)
+    if path.stat().st_size > MAX_FILE_BYTES:
+        raise ConfigError([ConfigIssue("file", str(path), f"is larger than {MAX_FILE_BYTES >> 20} MiB",
+                                       "pass a MindFormers YAML, not a data file")], label)
+    return _parse(path.read_bytes(), label), label
 
 
 def _parse(data: bytes, label: str) -> Any:
@@ -136,7 +152,8 @@ def _build(raw: Any, label: str | None) -> ParallelConfig:
                                        "write `parallel_config:`, `parallel:` etc. as top-level keys")], label)
     _check_depth(raw)
     issues: list[ConfigIssue] = []
-    data = _normalize(raw, issues)
+    spelled: dict[str, str] = {}  # our key path -> the spelling the YAML used (mcore/HF names)
+    data = _normalize(raw, issues, spelled)
     if issues:
         raise ConfigError(issues, label)
     try:
@@ -145,13 +162,17 @@ def _build(raw: Any, label: str | None) -> ParallelConfig:
         uses_parallelism = data.get("parallelism") is not None
         found: dict[str, ConfigIssue] = {}
         for err in exc.errors():  # a union reports once per branch: keep one issue per key
-            issue = _issue_from_pydantic(err, raw, uses_parallelism)
+            issue = _issue_from_pydantic(err, uses_parallelism)
             found.setdefault(issue.key, issue)
-        raise ConfigError(list(found.values()), label) from None
+        raise ConfigError(_as_written(list(found.values()), spelled), label) from None
     issues = check_rules(cfg)
     if issues:
-        raise ConfigError(issues, label)
+        raise ConfigError(_as_written(issues, spelled), label)
     return cfg
+
+
+def _as_written(issues: list[ConfigIssue], spelled: dict[str, str]) -> list[ConfigIssue]:
+    return [dataclasses.replace(i, key=spelled.get(i.key, i.key)) for i in issues]
 
 
 def _section(raw: Mapping, key: str, issues: list[ConfigIssue], path: str | None = None) -> dict:
@@ -167,7 +188,7 @@ def _section(raw: Mapping, key: str, issues: list[ConfigIssue], path: str | None
     return {k: v for k, v in value.items() if isinstance(k, str) and v is not None}
 
 
-def _normalize(raw: Mapping, issues: list[ConfigIssue]) -> dict:
+def _normalize(raw: Mapping, issues: list[ConfigIssue], spelled: dict[str, str]) -> dict:
     """Reshape any supported spelling into ParallelConfig's field layout (validation comes after)."""
     out: dict[str, Any] = {}
     pc = _section(raw, "parallel_config", issues)
@@ -205,11 +226,11 @@ def _normalize(raw: Mapping, issues: list[ConfigIssue]) -> dict:
         recompute = {"recompute": nested_recompute}
     out["recompute_config"] = recompute
     out["runner_config"] = _section(raw, "runner_config", issues)
-    out["runner_wrapper"] = _runner_wrapper(_section(raw, "runner_wrapper", issues))
+    out["runner_wrapper"] = _runner_wrapper(_section(raw, "runner_wrapper", issues), issues)
     for key in ("optimizer", "lr_schedule"):
         if raw.get(key) is not None:
             out[key] = _section(raw, key, issues)
-    out["model"] = _model_shape(raw, issues)
+    out["model"] = _model_shape(raw, issues, spelled)
 
     if raw.get("parallelism") is not None:
         _apply_parallelism(_section(raw, "parallelism", issues), out, issues)
@@ -217,10 +238,15 @@ def _normalize(raw: Mapping, issues: list[ConfigIssue]) -> dict:
     return out
 
 
-def _runner_wrapper(rw: dict) -> dict:
+def _runner_wrapper(rw: dict, issues: list[ConfigIssue]) -> dict:
     scale = rw.get("scale_sense")
     if isinstance(scale, Mapping):
-        kind = "dynamic" if "Dynamic" in str(scale.get("type", "Dynamic")) else "static"
+        kind_name = scale.get("type", "DynamicLossScaleUpdateCell")
+        if not isinstance(kind_name, str):
+            issues.append(ConfigIssue("runner_wrapper.scale_sense.type", kind_name, "must name a loss-scale cell",
+                                      "write DynamicLossScaleUpdateCell or FixedLossScaleUpdateCell"))
+            return {}
+        kind = "static" if "Fixed" in kind_name or "Constant" in kind_name else "dynamic"
         rw["scale_sense"] = {k: v for k, v in {"kind": kind, "value": scale.get("loss_scale_value"),
                                                "factor": scale.get("scale_factor"),
                                                "window": scale.get("scale_window")}.items() if v is not None}
@@ -229,7 +255,7 @@ def _runner_wrapper(rw: dict) -> dict:
     return rw
 
 
-def _model_shape(raw: Mapping, issues: list[ConfigIssue]) -> dict:
+def _model_shape(raw: Mapping, issues: list[ConfigIssue], spelled: dict[str, str]) -> dict:
     model = raw.get("model")
     if model is None:
         return {}
@@ -242,6 +268,8 @@ def _model_shape(raw: Mapping, issues: list[ConfigIssue]) -> dict:
         for spelling in spellings:
             if mc.get(spelling) is not None:
                 shape[field] = mc[spelling]
+                if spelling != field:
+                    spelled[f"model.model_config.{field}"] = f"model.model_config.{spelling}"
                 break
     if mc.get("multi_query_attention") is False and "n_kv_heads" in shape and "n_kv_heads" not in mc \
             and "num_key_value_heads" not in mc:
@@ -262,6 +290,9 @@ def _apply_parallelism(p: dict, out: dict, issues: list[ConfigIssue]) -> None:
     pc: dict[str, Any] = {}
     replicate = p.get("data_parallel_replicate", 1)
     shard = p.get("data_parallel_shard", -1)
+    if shard == 0 and _is_int(shard):
+        issues.append(ConfigIssue("parallelism.data_parallel_shard", 0, "must be -1 (auto) or a positive degree",
+                                  "write -1 to take it from the world size"))
     out["parallelism"] = {"data_parallel_replicate": replicate, "data_parallel_shard": shard}
     if _is_int(replicate) and _is_int(shard) and shard >= 1 and replicate >= 1:
         pc["data_parallel"] = replicate * shard
@@ -342,7 +373,7 @@ _SECTION_PATHS = {"model": "model.model_config"}
 _TYPE_TAGS = {"bool", "int", "str", "float", "list", "dict", "tuple", "none", "is-instance", "lax-or-strict"}
 
 
-def _issue_from_pydantic(err: Mapping, raw: Mapping, uses_parallelism: bool) -> ConfigIssue:
+def _issue_from_pydantic(err: Mapping, uses_parallelism: bool) -> ConfigIssue:
     parts: list[str] = []
     for p in err.get("loc", ()):
         if isinstance(p, int):

@@ -9,6 +9,7 @@ from .errors import ConfigIssue, ConfigWarning
 from .schema import SUPPORTED_PP_SCHEDULERS, ParallelConfig
 
 PC = "parallel_config"
+MAX_PIPELINE_CHUNKS = 1 << 16  # far beyond any real model; keeps the per-chunk tables small
 MC = "model.model_config"
 
 
@@ -131,6 +132,10 @@ def _pipeline_rules(cfg: ParallelConfig):
                           f"must be >= {k(f'{PC}.pipeline_stage')}={cfg.pp}",
                           f"set micro_batch_num to at least {cfg.pp}")
     vpp = virtual_stages(cfg)
+    if cfg.pp * vpp > MAX_PIPELINE_CHUNKS:
+        yield ConfigIssue(k(f"{PC}.pipeline_stage"), cfg.pp,
+                          f"x pp_interleave_num {vpp} = {cfg.pp * vpp} pipeline chunks is more than "
+                          f"{MAX_PIPELINE_CHUNKS}", "use fewer pipeline stages or virtual chunks")
     if cfg.model.pp_interleave_num > 1 and vpp == 1:
         _warn(f"{MC}.pp_interleave_num={cfg.model.pp_interleave_num} acts only with "
               "parallel.pipeline_config.pipeline_interleave: true; ignored")
@@ -181,6 +186,8 @@ def _offset_sum(offset: Any) -> int:
 
 def _offset_rules(cfg: ParallelConfig):
     offset, pp, vpp = cfg.model.offset, cfg.pp, virtual_stages(cfg)
+    if pp * vpp > MAX_PIPELINE_CHUNKS:
+        return  # reported by _pipeline_rules
     key = f"{MC}.offset"
     if not isinstance(offset, int) and not offset:
         yield ConfigIssue(key, offset, "must be an int, a list per stage or a list per virtual chunk", "write 0")

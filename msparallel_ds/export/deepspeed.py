@@ -72,7 +72,7 @@ def _precision(plan: "Plan") -> dict[str, Any]:
     fp16: dict[str, Any] = {"enabled": True}
     if ls.kind == "dynamic":
         fp16.update(loss_scale=0, initial_scale_power=max(0, int(round(math.log2(ls.initial)))),
-                    loss_scale_window=ls.window, hysteresis=2, min_loss_scale=1)
+                    loss_scale_window=ls.window, hysteresis=1, min_loss_scale=1)  # MindSpore halves on the first overflow
     else:
         fp16["loss_scale"] = ls.initial
     return {"fp16": fp16}
