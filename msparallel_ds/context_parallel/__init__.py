@@ -1,0 +1,1 @@
+"""Context-parallel attention: all-gather (colossalai_cp), ring, Ulysses and hybrid Ulysses+ring."""

@@ -1,0 +1,190 @@
+"""Local block attention behind one interface, for every context-parallel algorithm.
+
+Layout inside context_parallel/ is [b, h, s, d] (what the kernels want); GQA: k/v have h_kv heads, h % h_kv == 0,
+and are never repeated before a call. A block call returns (out, lse) with lse [b, h, s_q] in fp32; `merge`
+folds a block into an fp32 running (out, lse) so a result is rounded to the input dtype once, at the very end.
+The backward of one block takes the FINAL out and lse (flash-attention's trick), so per-block gradients add up.
+
+Backends (picked per device/dtype, forced with `backend=` or MSPARALLEL_ATTN_BACKEND, logged at debug level):
+- cpu_flash: aten._scaled_dot_product_flash_attention_for_cpu and its backward. Half/bf16 blocks run in fp32 so
+  no block output is rounded before the merge.
+- cuda_flash / cuda_efficient: torch's CUDA SDPA ops that return lse (block outputs come back in the input dtype;
+  the fused kernels in ops/ remove that rounding).
+- math: plain PyTorch matmuls with an explicit lse, any device/dtype, and the only one taking an arbitrary mask
+  (the CPU flash op returns a wrong lse when given attn_mask).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+ENV_BACKEND = "MSPARALLEL_ATTN_BACKEND"
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    forward: Callable[..., tuple[Tensor, Tensor]]
+    backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
+    supports: Callable[[torch.device, torch.dtype, bool], bool]  # (device, dtype, has_mask)
+
+
+# ---------------------------------------------------------------------------------------------- math
+def _expand_kv(x: Tensor, groups: int) -> Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, mask: Optional[Tensor]) -> Tensor:
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        sq, sk = s.shape[-2], s.shape[-1]
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(sk - sq)  # bottom-right aligned
+        s = s.masked_fill(~keep, float("-inf"))
+    if mask is not None:  # bool, True = attend; broadcastable to [b, h, sq, sk]
+        s = s.masked_fill(~mask, float("-inf"))
+    return s
+
+
+def _math_forward(q, k, v, causal, scale, mask=None):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    groups = q.shape[1] // k.shape[1]
+    qf, kf, vf = q.to(acc), _expand_kv(k, groups).to(acc), _expand_kv(v, groups).to(acc)
+    s = _scores(qf, kf, causal, scale, mask)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # fully masked rows: lse = -inf, p = 0
+    return torch.matmul(p, vf), lse
+
+
+def _math_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    groups = q.shape[1] // k.shape[1]
+    qf, kf, vf = q.to(acc), _expand_kv(k, groups).to(acc), _expand_kv(v, groups).to(acc)
+    do, o = dout.to(acc), out.to(acc)
+    p = torch.exp(_scores(qf, kf, causal, scale, mask) - lse.to(acc).unsqueeze(-1)).nan_to_num(0.0)
+    dp = torch.matmul(do, vf.transpose(-1, -2))
+    ds = p * (dp - (do * o).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, kf) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    if groups > 1:
+        b, h, s, d = dk.shape
+        dk = dk.view(b, h // groups, groups, s, d).sum(2)
+        dv = dv.view(b, h // groups, groups, s, d).sum(2)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------- cpu flash
+def _cpu_dtype(x: Tensor) -> torch.dtype:
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+def _cpu_flash_forward(q, k, v, causal, scale, mask=None):
+    dt = _cpu_dtype(q)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.to(dt), k.to(dt), v.to(dt), 0.0, causal, scale=scale)
+    return out, lse.float() if lse.dtype != torch.float64 else lse
+
+
+def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
+    dt = _cpu_dtype(q)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.to(dt), q.to(dt), k.to(dt), v.to(dt), out.to(dt), lse.to(dt), 0.0, causal, scale=scale)
+
+
+# ---------------------------------------------------------------------------------------------- cuda
+def _cuda_flash_forward(q, k, v, causal, scale, mask=None):
+    groups = q.shape[1] // k.shape[1]
+    res = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, _expand_kv(k, groups), _expand_kv(v, groups), 0.0, causal, False, scale=scale)
+    return res[0], res[1].float()
+
+
+def _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
+    # torch's flash backward needs the forward's rng/cum_seq bookkeeping; recomputing through the efficient
+    # kernel's backward is exact for the same (q, k, v, out, lse).
+    return _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale)
+
+
+def _cuda_efficient_forward(q, k, v, causal, scale, mask=None):
+    groups = q.shape[1] // k.shape[1]
+    res = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, _expand_kv(k, groups), _expand_kv(v, groups), None, True, 0.0, causal, scale=scale)
+    return res[0], res[1][..., : q.shape[2]].float()
+
+
+def _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
+    groups = q.shape[1] // k.shape[1]
+    ke, ve = _expand_kv(k, groups), _expand_kv(v, groups)
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout.to(q.dtype), q, ke, ve, None, out.to(q.dtype), lse.contiguous(), seed, seed, 0.0,
+        [True, True, True, False], causal, scale=scale)
+    if groups > 1:
+        b, h, s, d = dk.shape
+        dk = dk.view(b, h // groups, groups, s, d).sum(2)
+        dv = dv.view(b, h // groups, groups, s, d).sum(2)
+    return dq, dk, dv
+
+
+BACKENDS: dict[str, Backend] = {
+    "cpu_flash": Backend("cpu_flash", _cpu_flash_forward, _cpu_flash_backward,
+                         lambda dev, dt, m: dev.type == "cpu" and not m),
+    "cuda_flash": Backend("cuda_flash", _cuda_flash_forward, _cuda_flash_backward,
+                          lambda dev, dt, m: dev.type == "cuda" and dt in (torch.float16, torch.bfloat16) and not m),
+    "cuda_efficient": Backend("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward,
+                              lambda dev, dt, m: dev.type == "cuda" and dt != torch.float64 and not m),
+    "math": Backend("math", _math_forward, _math_backward, lambda dev, dt, m: True),
+}
+PREFERENCE = ("cuda_flash", "cuda_efficient", "cpu_flash", "math")
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, *, has_mask: bool = False,
+                   name: Optional[str] = None) -> Backend:
+    """The fastest backend that supports this call, or the one forced by `name` / MSPARALLEL_ATTN_BACKEND."""
+    forced = name or os.environ.get(ENV_BACKEND)
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"attention backend {forced!r} is unknown; choose one of {sorted(BACKENDS)}")
+        backend = BACKENDS[forced]
+        if not backend.supports(device, dtype, has_mask):
+            raise ValueError(f"attention backend {forced!r} cannot run {dtype} on {device.type}"
+                             + (" with a mask" if has_mask else "") + f"; use one of {sorted(BACKENDS)} or unset it")
+        return backend
+    for candidate in PREFERENCE:
+        if BACKENDS[candidate].supports(device, dtype, has_mask):
+            log.debug("context-parallel attention: block backend %s for %s on %s", candidate, dtype, device.type)
+            return BACKENDS[candidate]
+    return BACKENDS["math"]
+
+
+def block_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, backend: Backend,
+                  mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """One block. causal masks bottom-right aligned (square blocks: the usual diagonal). lse is fp32/fp64."""
+    return backend.forward(q, k, v, causal, scale, mask)
+
+
+def block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool,
+                   scale: float, backend: Backend, mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one block given the final out and lse; dk/dv come back with h_kv heads."""
+    return backend.backward(dout, q, k, v, out, lse, causal, scale, mask)
+
+
+def merge(acc_out: Optional[Tensor], acc_lse: Optional[Tensor], out: Tensor,
+          lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Fold a block's (out, lse) into the running fp32 state: lse = logaddexp, out weighted by exp(lse_i - lse)."""
+    acc_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
+    out, lse = out.to(acc_dtype), lse.to(acc_dtype)
+    if acc_out is None:
+        return out.clone(), lse.clone()
+    new_lse = torch.logaddexp(acc_lse, lse)
+    # rows where both are -inf (nothing visible yet) stay 0 instead of NaN
+    w_acc = torch.exp(acc_lse - new_lse).nan_to_num(0.0).unsqueeze(-1)
+    w_blk = torch.exp(lse - new_lse).nan_to_num(0.0).unsqueeze(-1)
+    return acc_out * w_acc + out * w_blk, new_lse
