@@ -1,0 +1,156 @@
+"""Ring attention: K/V blocks travel around the cp_ring group while the current block is computed.
+
+Inputs are this rank's zigzag shard (sharding.py with R = group size, U = 1): q [b, h, s, d], k/v [b, h_kv, s, d],
+local chunks (r, 2R-1-r), each s/2 tokens. Only the h_kv heads travel, K and V packed into one buffer.
+Causal zigzag, block from src at rank r (half = s/2):
+    src == r: causal diagonal on the whole local segment (its positions increase)
+    src <  r: all local queries vs the FIRST half of src's K/V; its second half is in the future: never computed
+    src >  r: only the SECOND half of local queries vs all of src's K/V; the first half sees nothing: skipped
+so every rank does 1 diagonal + (R-1) half blocks. The running (out, lse) stays fp32 (kernels.merge) and is rounded
+to q.dtype once. Backward is a second ring: dq accumulates locally in fp32, dK/dV for the block held travel one step
+behind K/V in an fp32 buffer and arrive at their owner after R hops.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .kernels import Backend, block_backward, block_forward, merge, select_backend
+
+__all__ = ["ring_attention"]
+
+_TAG_KV, _TAG_DKV = 0, 1  # gloo matches p2p by tag; NCCL ignores tags and relies on identical posting order
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _Ring:
+    """The group's neighbours and a 'send mine to next, receive prev's' exchange that returns its requests."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup]):
+        self.group = group if group is not None else dist.group.WORLD
+        self.size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+
+    def exchange(self, send: Tensor, recv: Tensor, tag: int) -> list:
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, self.next, self.group, tag),
+                                       dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)])
+
+
+def _wait(reqs: Optional[list]) -> None:
+    for r in reqs or ():
+        r.wait()
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(f"context-parallel attention wants q [b, h, s, d] and k, v [b, h_kv, s, d] of one shape; got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must share b, s, d, and h must be a "
+                         f"multiple of h_kv")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if causal and q.shape[2] % 2:
+        raise ValueError(f"causal zigzag attention needs an even local length (two chunks), got {q.shape[2]}")
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, backend):
+        ring = _Ring(group)
+        R, r, half = ring.size, ring.rank, q.shape[2] // 2
+        kv = torch.stack([k, v]).contiguous()  # one buffer: one send per step
+        q_hi = q[:, :, half:].contiguous() if causal else None
+        out = lse = reqs = nxt = None
+        for step in range(R):
+            src = (r - step) % R
+            if step > 0:
+                _wait(reqs)
+                kv = nxt
+            if step < R - 1:  # next block in flight while this one is computed
+                nxt = torch.empty_like(kv)
+                reqs = ring.exchange(kv, nxt, _TAG_KV)
+            kb, vb = kv[0], kv[1]
+            if not causal or src == r:
+                o, l = block_forward(q, kb, vb, causal=causal, scale=scale, backend=backend)
+                out, lse = merge(out, lse, o, l)
+            elif src < r:
+                o, l = block_forward(q, kb[:, :, :half], vb[:, :, :half], causal=False, scale=scale, backend=backend)
+                out, lse = merge(out, lse, o, l)
+            else:
+                o, l = block_forward(q_hi, kb, vb, causal=False, scale=scale, backend=backend)
+                out[:, :, half:], lse[:, :, half:] = merge(out[:, :, half:], lse[:, :, half:], o, l)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.causal, ctx.scale, ctx.backend = ring, causal, scale, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, causal, scale, backend = ctx.ring, ctx.causal, ctx.scale, ctx.backend
+        R, r, half = ring.size, ring.rank, q.shape[2] // 2
+        acc = _acc_dtype(q.dtype)
+        dout = dout.contiguous()
+        if causal:  # the half-query blocks need the matching halves of the final out/lse/dout
+            q_hi, out_hi, lse_hi, dout_hi = (t[:, :, half:].contiguous() for t in (q, out, lse, dout))
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        kv_reqs = dkv_reqs = nxt = dkv_in = None
+        for step in range(R):
+            src = (r - step) % R
+            if step > 0:
+                _wait(kv_reqs)
+                kv = nxt
+            if step < R - 1:
+                nxt = torch.empty_like(kv)
+                kv_reqs = ring.exchange(kv, nxt, _TAG_KV)
+            kb, vb = kv[0], kv[1]
+            if not causal or src == r:
+                g = block_backward(dout, q, kb, vb, out, lse, causal=causal, scale=scale, backend=backend)
+                dq += g[0]
+                kv_part = slice(None)
+            elif src < r:  # mirror the forward: only the first half of src's K/V was seen
+                g = block_backward(dout, q, kb[:, :, :half], vb[:, :, :half], out, lse, causal=False,
+                                   scale=scale, backend=backend)
+                dq += g[0]
+                kv_part = slice(0, half)
+            else:  # only the second half of our queries saw src's K/V
+                g = block_backward(dout_hi, q_hi, kb, vb, out_hi, lse_hi, causal=False, scale=scale, backend=backend)
+                dq[:, :, half:] += g[0]
+                kv_part = slice(None)
+            if step > 0:  # the earlier holders' fp32 sum for this block, sent by prev while we computed
+                _wait(dkv_reqs)
+                dkv = dkv_in
+            else:
+                dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+            dkv[0, :, :, kv_part] += g[1]
+            dkv[1, :, :, kv_part] += g[2]
+            if R > 1:  # after R hops each block's sum reaches its owner
+                dkv_out, dkv_in = dkv, torch.empty_like(dkv)  # dkv_out stays referenced until its send is waited
+                dkv_reqs = ring.exchange(dkv_out, dkv_in, _TAG_DKV)
+        if R > 1:
+            _wait(dkv_reqs)
+            dkv = dkv_in
+        dk, dv = dkv[0], dkv[1]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup], *, causal: bool,
+                   scale: Optional[float] = None, backend: Optional[str | Backend] = None) -> Tensor:
+    """Attention of this rank's zigzag-sharded q over the whole sequence's k/v, passed around `group` (the cp_ring
+    group). q [b, h, s_local, d], k/v [b, h_kv, s_local, d] -> [b, h, s_local, d] in q.dtype."""
+    _check(q, k, v, causal)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if not isinstance(backend, Backend):
+        backend = select_backend(q.device, q.dtype, name=backend)
+    return _RingAttention.apply(q, k, v, group, causal, scale, backend)
