@@ -16,13 +16,22 @@ def init_parallel(cfg_or_plan, **kwargs):
     return _init(cfg_or_plan, **kwargs)
 
 
-def __getattr__(name):
-    if name == "ParallelLayout":
-        from .distributed.layout import ParallelLayout
+_LAZY = {  # torch-heavy parts load on first use, so `msparallel-ds plan` stays light
+    "ParallelLayout": ("distributed.layout", "ParallelLayout"),
+    "context_parallel_attention": ("context_parallel.api", "context_parallel_attention"),
+    "shard_sequence": ("context_parallel.api", "shard_sequence"),
+    "unshard_sequence": ("context_parallel.api", "unshard_sequence"),
+}
 
-        return ParallelLayout
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(f".{module}", __name__), attr)
     raise AttributeError(f"module 'msparallel_ds' has no attribute {name!r}")
 
 
-__all__ = ["ConfigError", "ConfigWarning", "ParallelConfig", "Plan", "ParallelLayout", "init_parallel",
-           "load_config", "make_plan"]
+__all__ = ["ConfigError", "ConfigWarning", "ParallelConfig", "Plan", "ParallelLayout", "context_parallel_attention",
+           "init_parallel", "load_config", "make_plan", "shard_sequence", "unshard_sequence"]

@@ -24,8 +24,12 @@ from .ring import _acc_dtype, _check
 __all__ = ["allgather_attention"]
 
 # torch >= 2.13 renamed the tensor-form collectives; older ones only have the *_tensor names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+def _all_gather_single(*args, **kwargs):  # looked up per call, so wrappers (e.g. byte counters) see it
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_single(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
 def _all_gather_kv(k: Tensor, v: Tensor, group) -> Tensor:

@@ -178,13 +178,15 @@ def block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 
 def merge(acc_out: Optional[Tensor], acc_lse: Optional[Tensor], out: Tensor,
           lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Fold a block's (out, lse) into the running fp32 state: lse = logaddexp, out weighted by exp(lse_i - lse)."""
+    """Fold a block's (out, lse) into the running fp32 state: lse = logaddexp, out weighted by exp(lse_i - lse).
+    acc_out is updated in place (and returned); acc_lse is replaced."""
     acc_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
     out, lse = out.to(acc_dtype), lse.to(acc_dtype)
     if acc_out is None:
         return out.clone(), lse.clone()
     new_lse = torch.logaddexp(acc_lse, lse)
     # rows where both are -inf (nothing visible yet) stay 0 instead of NaN
-    w_acc = torch.exp(acc_lse - new_lse).nan_to_num(0.0).unsqueeze(-1)
-    w_blk = torch.exp(lse - new_lse).nan_to_num(0.0).unsqueeze(-1)
-    return acc_out * w_acc + out * w_blk, new_lse
+    w_acc = torch.exp(acc_lse - new_lse).nan_to_num_(0.0).unsqueeze(-1)
+    w_blk = torch.exp(lse - new_lse).nan_to_num_(0.0).unsqueeze(-1)
+    # in place: the running output is the largest buffer a ring step holds; no [b, h, s, d] temporaries
+    return acc_out.mul_(w_acc).addcmul_(out, w_blk), new_lse

@@ -1,0 +1,189 @@
+"""Public context-parallel entry points: attention in HF/flash layout, and sequence (un)sharding.
+
+    out = context_parallel_attention(q, k, v, layout)   # q [b, s_local, h, d], k/v [b, s_local, h_kv, d]
+    x_local = shard_sequence(x, layout, dim=1); x = unshard_sequence(x_local, layout, dim=1)
+
+The algorithm defaults to the plan's (MindFormers context_parallel_algo: colossalai_cp -> "allgather", or "ring"
+with use_ring_attention; ulysses_cp -> "ulysses"; hybrid_cp -> "hybrid"). Token layout per algorithm (sharding.py):
+ulysses: contiguous pieces over cp; ring/hybrid: zigzag over cp_ring (2*cp_ring chunks, ring rank r holds r and
+2*cp_ring-1-r), each ring segment split contiguously over cp_ulysses; allgather: zigzag over the whole cp group.
+A layout without context parallelism (cp == 1) is an error for the attention (use the model's own attention);
+shard_sequence/unshard_sequence are the identity there.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .kernels import Backend
+
+__all__ = ["context_parallel_attention", "shard_sequence", "unshard_sequence", "resolve_algo", "ALGOS"]
+
+ALGOS = ("allgather", "ring", "ulysses", "hybrid")
+# MindFormers spellings, so a value copied from the YAML works too (colossalai_cp alone means all-gather K/V)
+_ALIASES = {"colossalai_cp": "allgather", "all_gather": "allgather", "ulysses_cp": "ulysses",
+            "hybrid_cp": "hybrid", "hybird_cp": "hybrid"}
+
+
+def _check_layout(layout: Any) -> None:
+    if not all(hasattr(layout, a) for a in ("size", "rank", "group")):
+        raise TypeError(f"layout must be a ParallelLayout (msparallel_ds.init_parallel(cfg)), got "
+                        f"{type(layout).__name__}")
+
+
+def resolve_algo(layout: Any, algo: Optional[str] = None) -> str:
+    """The algorithm to run: `algo`, else the plan's cp_algo, else ring (cp_ulysses == 1) / hybrid; checked
+    against the layout's cp_ring x cp_ulysses mesh."""
+    _check_layout(layout)
+    ring, uly = layout.size("cp_ring"), layout.size("cp_ulysses")
+    if algo is None:
+        algo = getattr(getattr(layout, "plan", None), "cp_algo", None)
+        if algo is None:
+            algo = "ring" if uly == 1 else "hybrid"
+    if not isinstance(algo, str):
+        raise TypeError(f"algo must be a string, one of {ALGOS}; got {algo!r}")
+    name = _ALIASES.get(algo.lower(), algo.lower())
+    if name not in ALGOS:
+        raise ValueError(f"unknown context-parallel algo {algo!r}; use one of {', '.join(ALGOS)} "
+                         f"(or the MindFormers names {', '.join(_ALIASES)})")
+    if name == "ring" and uly > 1:
+        raise ValueError(f"algo='ring' runs over cp_ring, but this layout splits cp={ring * uly} as cp_ring={ring} x "
+                         f"cp_ulysses={uly}: use algo='hybrid' (or 'allgather'), or build the layout with "
+                         f"ulysses_degree_in_cp=1 / context_parallel_algo colossalai_cp")
+    if name == "ulysses" and ring > 1:
+        raise ValueError(f"algo='ulysses' runs over cp_ulysses, but this layout splits cp={ring * uly} as "
+                         f"cp_ring={ring} x cp_ulysses={uly}: use algo='hybrid' (or 'allgather'), or build the "
+                         f"layout with context_parallel_algo ulysses_cp")
+    return name
+
+
+def _split(layout: Any, algo: str) -> tuple[int, int, int, int]:
+    """(ring, ulysses, ring_rank, ulysses_rank) of this rank's token layout for sharding.py."""
+    if algo == "allgather":  # zigzag over the flattened cp group
+        return layout.size("cp"), 1, layout.rank("cp"), 0
+    return layout.size("cp_ring"), layout.size("cp_ulysses"), layout.rank("cp_ring"), layout.rank("cp_ulysses")
+
+
+def _validate(q: Any, k: Any, v: Any) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, s_local, heads, head_dim]; got shape {tuple(t.shape)}")
+    if not q.dtype.is_floating_point:
+        raise TypeError(f"q must be a floating-point tensor, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}: cast them first")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    b, s, h, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape [batch, s_local, kv_heads, head_dim]; got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != b or k.shape[1] != s:
+        raise ValueError(f"q has batch={b}, s_local={s} but k/v have batch={k.shape[0]}, s_local={k.shape[1]}: "
+                         "shard q, k and v the same way (same inputs to shard_sequence)")
+    if k.shape[3] != d:
+        raise ValueError(f"head_dim differs: q has {d}, k/v have {k.shape[3]}")
+    h_kv = k.shape[2]
+    if h_kv == 0 or h % h_kv:
+        raise ValueError(f"num_heads={h} must be a multiple of num_kv_heads={h_kv} (GQA/MQA groups)")
+    if b == 0 or s == 0 or d == 0:
+        raise ValueError(f"empty input: q shape {tuple(q.shape)}")
+
+
+def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: Any, causal: bool = True,
+                               softmax_scale: Optional[float] = None, algo: Optional[str] = None,
+                               backend: Union[None, str, Backend] = None) -> Tensor:
+    """Attention over the whole (cp-sharded) sequence. q [b, s_local, h, d], k/v [b, s_local, h_kv, d], each
+    this rank's tokens as given by shard_sequence(..., algo) (same algo); returns [b, s_local, h, d] (a
+    transposed view of the [b, h, s, d] result). Differentiable; softmax_scale defaults to 1/sqrt(d).
+    `backend` forces a block kernel (kernels.BACKENDS name)."""
+    _validate(q, k, v)
+    name = resolve_algo(layout, algo)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    cp = layout.size("cp")
+    if cp == 1:
+        raise ValueError("context_parallel_attention needs a layout with context_parallel > 1, this one has cp=1: "
+                         "use the model's own attention (or set parallel_config.context_parallel)")
+    if cp > 1:
+        from .sharding import check_divisible
+        from .ulysses import check_ulysses_heads
+
+        ring, uly, _, _ = _split(layout, name)
+        check_ulysses_heads(q.shape[2], k.shape[2], uly)  # before any collective, so every rank raises alike
+        try:  # this rank's length implies the full one; a wrong local length means the inputs were not sharded
+            check_divisible(q.shape[1] * cp, ring, uly)
+        except ValueError as e:
+            raise ValueError(f"context_parallel_attention(algo={name!r}): s_local={q.shape[1]} x cp={cp} = "
+                             f"{q.shape[1] * cp} tokens: {e} (shard q, k, v with shard_sequence(x, layout, "
+                             f"algo={name!r}))") from None
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # the one transpose to the kernels' [b, h, s, d]
+    kw = dict(causal=causal, scale=scale, backend=backend)
+    if name == "allgather":
+        from .allgather import allgather_attention
+
+        out = allgather_attention(qh, kh, vh, layout.group("cp"), **kw)
+    elif name == "ring":
+        from .ring import ring_attention
+
+        out = ring_attention(qh, kh, vh, layout.group("cp_ring"), **kw)
+    elif name == "ulysses":
+        from .ulysses import ulysses_attention
+
+        out = ulysses_attention(qh, kh, vh, layout.group("cp_ulysses"), **kw)
+    else:
+        from .hybrid import hybrid_attention
+
+        out = hybrid_attention(qh, kh, vh, layout, **kw)
+    return out.transpose(1, 2)
+
+
+def _dim(x: Tensor, dim: int) -> int:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim} is out of range for a {x.dim()}-D tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def shard_sequence(x: Tensor, layout: Any, dim: int = 1, algo: Optional[str] = None, *, pad: bool = False,
+                   pad_value: float = 0) -> Tensor:
+    """This cp rank's tokens of x along `dim` (the layout `algo` expects; default: the plan's algo).
+
+    A length the layout cannot split evenly is a ValueError, never a silent truncation; with pad=True x is first
+    padded at the END of dim with pad_value (use the ignore index for labels) to the next valid length. Padding at
+    the end is invisible to real tokens under causal attention; non-causal attention would see the pad keys.
+    """
+    dim = _dim(x, dim)
+    name = resolve_algo(layout, algo)
+    if layout.size("cp") == 1:
+        return x
+    from .sharding import check_divisible, pad_to_multiple, required_multiple, shard
+
+    ring, uly, r, u = _split(layout, name)
+    if pad:
+        x = pad_to_multiple(x, dim, required_multiple(ring, uly), pad_value)
+    check_divisible(x.shape[dim], ring, uly)
+    return shard(x, dim, ring, uly, r, u)
+
+
+def unshard_sequence(x_local: Tensor, layout: Any, dim: int = 1, algo: Optional[str] = None) -> Tensor:
+    """The full sequence from every cp rank's shard (all_gather over cp, then the inverse permutation).
+    Collective: every cp rank must call it. The result carries no autograd history (it is for outputs/metrics)."""
+    dim = _dim(x_local, dim)
+    name = resolve_algo(layout, algo)
+    cp = layout.size("cp")
+    if cp == 1:
+        return x_local
+    from .sharding import unshard
+
+    ring, uly, _, _ = _split(layout, name)
+    xc = x_local.detach().contiguous()
+    parts = [torch.empty_like(xc) for _ in range(cp)]
+    dist.all_gather(parts, xc, group=layout.group("cp"))  # list in cp-rank order r*U + u, what unshard takes
+    return unshard(parts, dim, ring, uly)

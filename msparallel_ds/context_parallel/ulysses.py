@@ -1,0 +1,168 @@
+"""Ulysses (DeepSpeed-Ulysses) context parallelism: all-to-all from sequence-sharded to head-sharded and back.
+
+Each rank of the Ulysses group holds a contiguous sequence piece of all heads, [b, h, s/U, d]. One all-to-all
+gives it the whole sequence (of this group) for h/U heads, attention runs locally on that, and the inverse
+all-to-all returns the output to the sequence-sharded layout. Layout inside context_parallel/ is [b, h, s, d].
+
+GQA (DeepSpeed ALST's rule): kv heads are split like q heads when h_kv % U == 0; when U % h_kv == 0 each kv head is
+replicated U/h_kv times first (autograd of the replication sums the replicas' gradients); otherwise a clear error.
+"""
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .kernels import Backend, block_backward, block_forward, select_backend
+
+__all__ = ["SeqToHeadAllToAll", "HeadToSeqAllToAll", "seq_to_head", "head_to_seq", "local_attention",
+           "ulysses_attention", "ulysses_wrap", "check_ulysses_heads", "valid_ulysses_degrees", "resolve_backend"]
+
+
+# ---------------------------------------------------------------------------------------------- collectives
+def _seq_to_head(x: Tensor, group) -> Tensor:
+    """[b, h, s, d] (sequence piece `rank`) -> [b, h/U, U*s, d] (head chunk `rank`, sequence in rank order)."""
+    u = dist.get_world_size(group)
+    b, h, s, d = x.shape
+    # dim 0 = destination rank: head chunk j goes to rank j (all_to_all_single splits dim 0 evenly)
+    send = x.reshape(b, u, h // u, s, d).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    # dim 0 = source rank = its sequence piece: put it in front of the sequence dim
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // u, u * s, d)
+
+
+def _head_to_seq(x: Tensor, group) -> Tensor:
+    """Inverse of _seq_to_head: [b, h/U, U*s, d] -> [b, h, s, d]."""
+    u = dist.get_world_size(group)
+    b, hu, us, d = x.shape
+    s = us // u
+    send = x.reshape(b, hu, u, s, d).permute(2, 0, 1, 3, 4).contiguous()  # dim 0 = destination's sequence piece
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.transpose(0, 1).reshape(b, u * hu, s, d)  # dim 0 = source rank = head chunk
+
+
+class SeqToHeadAllToAll(torch.autograd.Function):
+    """Forward: gather the sequence, scatter the heads over `group`. Backward: the inverse (head-to-seq)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return _seq_to_head(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _head_to_seq(grad, ctx.group), None
+
+
+class HeadToSeqAllToAll(torch.autograd.Function):
+    """Forward: gather the heads, scatter the sequence over `group`. Backward: the inverse (seq-to-head)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return _head_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _seq_to_head(grad, ctx.group), None
+
+
+def seq_to_head(x: Tensor, group) -> Tensor:
+    return x if dist.get_world_size(group) == 1 else SeqToHeadAllToAll.apply(x, group)
+
+
+def head_to_seq(x: Tensor, group) -> Tensor:
+    return x if dist.get_world_size(group) == 1 else HeadToSeqAllToAll.apply(x, group)
+
+
+# ---------------------------------------------------------------------------------------------- local attention
+def resolve_backend(backend: Union[None, str, Backend], q: Tensor) -> Backend:
+    return backend if isinstance(backend, Backend) else select_backend(q.device, q.dtype, name=backend)
+
+
+class _LocalAttention(torch.autograd.Function):
+    """One block over the whole local sequence; saves only q, k, v, out, lse (flash-style memory)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, backend):
+        out, lse = block_forward(q, k, v, causal=causal, scale=scale, backend=backend)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale,
+                                    backend=ctx.backend)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
+                    backend: Union[None, str, Backend] = None) -> Tensor:
+    """Plain attention on this rank's tensors ([b, h, s, d], k/v with h_kv heads) through the block kernels."""
+    return _LocalAttention.apply(q, k, v, causal, scale, resolve_backend(backend, q))
+
+
+# ---------------------------------------------------------------------------------------------- head rules
+def _ok(h: int, h_kv: int, u: int) -> bool:
+    return h % u == 0 and (h_kv % u == 0 or u % h_kv == 0)
+
+
+def valid_ulysses_degrees(num_heads: int, num_kv_heads: int) -> list[int]:
+    """Ulysses degrees that these head counts allow (h % U == 0 and h_kv % U == 0 or U % h_kv == 0)."""
+    return [u for u in range(1, num_heads + 1) if _ok(num_heads, num_kv_heads, u)]
+
+
+def check_ulysses_heads(num_heads: int, num_kv_heads: int, degree: int) -> None:
+    """Raise a ValueError naming the numbers and the nearest valid degrees when U cannot split these heads."""
+    if _ok(num_heads, num_kv_heads, degree):
+        return
+    valid = valid_ulysses_degrees(num_heads, num_kv_heads)
+    below = max((u for u in valid if u < degree), default=None)
+    above = min((u for u in valid if u > degree), default=None)
+    nearest = " or ".join(str(u) for u in (below, above) if u is not None)
+    if num_heads % degree:
+        rule = f"num_heads={num_heads} is not divisible by the Ulysses degree {degree}"
+    else:
+        rule = (f"num_kv_heads={num_kv_heads} and the Ulysses degree {degree} do not divide each other (need "
+                f"num_kv_heads % {degree} == 0, or {degree} % num_kv_heads == 0 to replicate each kv head)")
+    raise ValueError(f"Ulysses attention: {rule}. Valid Ulysses degrees for {num_heads} heads / {num_kv_heads} kv "
+                     f"heads: {valid}; nearest: {nearest}. Change ulysses_degree_in_cp / context_parallel, or use "
+                     f"context_parallel_algo colossalai_cp (ring/all-gather have no head constraint).")
+
+
+def _replicate_kv(x: Tensor, u: int) -> Tensor:
+    """h_kv < U with U % h_kv == 0: each kv head U/h_kv times so every rank gets the kv head of its q heads."""
+    h_kv = x.shape[1]
+    return x if h_kv % u == 0 else x.repeat_interleave(u // h_kv, dim=1)
+
+
+# ---------------------------------------------------------------------------------------------- attention
+def ulysses_wrap(q: Tensor, k: Tensor, v: Tensor, group, inner: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+    """all-to-all q/k/v to head-sharded over `group`, out = inner(q, k, v) on the gathered sequence, all-to-all back.
+
+    Shared by Ulysses (inner = local attention) and hybrid (inner = ring attention over cp_ring).
+    """
+    u = dist.get_world_size(group)
+    check_ulysses_heads(q.shape[1], k.shape[1], u)
+    if u == 1:
+        return inner(q, k, v)
+    qh = seq_to_head(q, group)
+    kh = seq_to_head(_replicate_kv(k, u), group)
+    vh = seq_to_head(_replicate_kv(v, u), group)
+    return head_to_seq(inner(qh, kh, vh), group)
+
+
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group, *, causal: bool, scale: float,
+                      backend: Union[None, str, Backend] = None) -> Tensor:
+    """q [b, h, s_local, d], k/v [b, h_kv, s_local, d]: this rank's contiguous sequence piece (rank order) over
+    `group`. Returns [b, h, s_local, d]. Autograd flows through both all-to-alls and the block kernels."""
+    be = resolve_backend(backend, q)
+    return ulysses_wrap(q, k, v, group, lambda q_, k_, v_: local_attention(q_, k_, v_, causal=causal, scale=scale,
+                                                                            backend=be))

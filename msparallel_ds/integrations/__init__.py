@@ -1,0 +1,1 @@
+"""Integrations with HF transformers, accelerate, the Trainer and the deepspeed launcher."""
