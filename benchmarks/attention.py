@@ -260,6 +260,53 @@ def _deepspeed_ulysses(rank, world, q, k, v, dout, ref, args):
             "sent_bytes": counter.bytes, "theory_bytes": None, "max_err": err, "note": "kv repeated (no GQA)"}
 
 
+def simulate_ring(n: int, args: dict) -> dict:
+    """One process runs the N causal zigzag ring steps of every rank back to back (the step kernels and the fp32
+    merge, no communication) and compares the slowest rank with 1/N of one full-sequence call: ring efficiency."""
+    import torch
+
+    from msparallel_ds.context_parallel.kernels import block_forward, merge, select_backend
+    from msparallel_ds.context_parallel.sharding import shard
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args["dtype"]]
+    b, s, h, hkv, d = args["batch"], args["seq"], args["heads"], args["kv_heads"], args["dim"]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, n_, s, d, generator=g).to(device, dtype) for n_ in (h, hkv, hkv))
+    backend = select_backend(device, dtype)
+    scale = d ** -0.5
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def full():
+        block_forward(q, k, v, causal=True, scale=scale, backend=backend)
+        sync()
+
+    local = [[shard(x, 2, n, 1, r, 0) for x in (q, k, v)] for r in range(n)]
+
+    def rank_steps(r):
+        ql, half = local[r][0], local[r][0].shape[2] // 2
+        out = lse = None
+        for step in range(n):
+            src = (r - step) % n
+            _, kb, vb = local[src]
+            if src == r:
+                o, l = block_forward(ql, kb, vb, causal=True, scale=scale, backend=backend)
+                out, lse = merge(out, lse, o, l)
+            elif src < r:
+                o, l = block_forward(ql, kb[:, :, :half], vb[:, :, :half], causal=False, scale=scale, backend=backend)
+                out, lse = merge(out, lse, o, l)
+            else:
+                o, l = block_forward(ql[:, :, half:], kb, vb, causal=False, scale=scale, backend=backend)
+                out[:, :, half:], lse[:, :, half:] = merge(out[:, :, half:], lse[:, :, half:], o, l)
+        out.to(dtype)
+        sync()
+
+    t_full = _time(full, args["repeats"])
+    t_rank = max(_time(lambda r=r: rank_steps(r), args["repeats"]) for r in range(n))
+    return {"ring": n, "device": device.type, "backend": backend.name, "full_time_s": t_full,
+            "slowest_rank_time_s": t_rank, "ring_efficiency": t_full / n / t_rank}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
@@ -271,9 +318,19 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--simulate-ring", type=int, default=0, metavar="N",
+                    help="time the N ring steps of each rank in one process (no communication) instead")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "attention.json"))
     a = ap.parse_args()
     args = {k: getattr(a, k) for k in ("algos", "seq", "batch", "heads", "kv_heads", "dim", "dtype", "repeats")}
+    if a.simulate_ring:
+        res = simulate_ring(a.simulate_ring, args)
+        print(f"simulated ring of {res['ring']} on {res['device']} ({res['backend']}): full sequence "
+              f"{res['full_time_s'] * 1e3:.2f} ms, slowest rank's steps {res['slowest_rank_time_s'] * 1e3:.2f} ms, "
+              f"ring efficiency {res['ring_efficiency']:.2f}")
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps({"config": args, "simulate_ring": res}, indent=2))
+        return
     report = {"config": args, "runs": []}
     for world in a.world_sizes:
         per_rank = run_distributed(_rank_main, world, args, timeout=1800)

@@ -182,8 +182,8 @@ def merge(acc_out: Optional[Tensor], acc_lse: Optional[Tensor], out: Tensor,
     acc_out is updated in place (and returned); acc_lse is replaced."""
     acc_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
     out, lse = out.to(acc_dtype), lse.to(acc_dtype)
-    if acc_out is None:
-        return out.clone(), lse.clone()
+    if acc_out is None:  # block outputs are fresh tensors: the first one becomes the accumulator
+        return out, lse
     new_lse = torch.logaddexp(acc_lse, lse)
     # rows where both are -inf (nothing visible yet) stay 0 instead of NaN
     w_acc = torch.exp(acc_lse - new_lse).nan_to_num_(0.0).unsqueeze(-1)

@@ -68,7 +68,7 @@ class _RingAttention(torch.autograd.Function):
         ring = _Ring(group)
         R, r, half = ring.size, ring.rank, q.shape[2] // 2
         kv = torch.stack([k, v]).contiguous()  # one buffer: one send per step
-        q_hi = q[:, :, half:].contiguous() if causal else None
+        q_hi = q[:, :, half:] if causal else None  # a view: the kernels take strided [b, h, s, d]
         out = lse = reqs = nxt = None
         for step in range(R):
             src = (r - step) % R
@@ -99,10 +99,10 @@ class _RingAttention(torch.autograd.Function):
         ring, causal, scale, backend = ctx.ring, ctx.causal, ctx.scale, ctx.backend
         R, r, half = ring.size, ring.rank, q.shape[2] // 2
         acc = _acc_dtype(q.dtype)
-        dout = dout.contiguous()
-        if causal:  # the half-query blocks need the matching halves of the final out/lse/dout
-            q_hi, out_hi, lse_hi, dout_hi = (t[:, :, half:].contiguous() for t in (q, out, lse, dout))
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        # dout stays a view: the CPU kernel copies it per call (transient) rather than for the whole backward
+        if causal:  # the half-query blocks need the matching halves of the final out/lse/dout (views, no copies)
+            q_hi, out_hi, lse_hi, dout_hi = (t[:, :, half:] for t in (q, out, lse, dout))
+        dq = None  # step 0 is always the own (full) block: its dq becomes the fp32 accumulator
         kv = torch.stack([k, v]).contiguous()
         kv_reqs = dkv_reqs = nxt = dkv_in = None
         for step in range(R):
@@ -116,7 +116,7 @@ class _RingAttention(torch.autograd.Function):
             kb, vb = kv[0], kv[1]
             if not causal or src == r:
                 g = block_backward(dout, q, kb, vb, out, lse, causal=causal, scale=scale, backend=backend)
-                dq += g[0]
+                dq = g[0].to(acc) if dq is None else dq.add_(g[0])
                 kv_part = slice(None)
             elif src < r:  # mirror the forward: only the first half of src's K/V was seen
                 g = block_backward(dout, q, kb[:, :, :half], vb[:, :, :half], out, lse, causal=False,
