@@ -8,9 +8,15 @@ accumulates dK/dV for the whole sequence in fp32 and reduce-scatters (sum) them 
 
 One autograd.Function covers gather -> attend -> reduce-scatter so the dK/dV partial sums cross ranks in fp32
 (split into two Functions, autograd would round them to the input dtype at the boundary before the sum).
+
+Packed sequences (doc_ids): the work is a list of blocks (a "plan") computed on the host from the full sequence's
+document ids: every run of local queries inside one document attends to that document's keys only, as a square
+causal diagonal plus one fully visible rectangle, so no mask is ever built and the fast backend runs every block
+(the varlen idea). Ulysses reuses the same plan and block loops on its gathered sequence.
 """
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Optional
 
 import torch
@@ -21,7 +27,8 @@ from . import sharding
 from .kernels import Backend, block_backward, block_forward, merge, select_backend
 from .ring import _acc_dtype, _check
 
-__all__ = ["allgather_attention"]
+__all__ = ["allgather_attention", "gather_doc_ids",
+           "doc_blocks", "attend_blocks", "attend_blocks_backward"]
 
 # torch >= 2.13 renamed the tensor-form collectives; older ones only have the *_tensor names.
 def _all_gather_single(*args, **kwargs):  # looked up per call, so wrappers (e.g. byte counters) see it
@@ -54,74 +61,136 @@ def _reduce_scatter_dkv(dkv_full: Tensor, group) -> Tensor:
     return out
 
 
-def _chunks(R: int, r: int, half: int, causal: bool):
-    """(local query slice, global chunk id) pairs; non-causal: the whole local segment, no chunk."""
+# A plan is a list of blocks (rows, local query slice, ((global key slice, causal), ...)): the queries of one block
+# see exactly the union of its key blocks, merged in fp32. Every local query is in exactly one block.
+Block = tuple[slice, slice, tuple[tuple[slice, bool], ...]]
+
+
+def _zigzag_ranges(R: int, r: int, half: int) -> list[tuple[int, int, int]]:
+    """(local start, global start, length) of this rank's two zigzag chunks."""
+    return [(0, r * half, half), (half, (2 * R - 1 - r) * half, half)]
+
+
+def _blocks(R: int, r: int, half: int, causal: bool) -> list[Block]:
+    """One document: chunk m sees its causal diagonal and the fully visible prefix; non-causal sees everything."""
     if not causal:
-        return [(slice(None), None)]
-    return [(slice(0, half), r), (slice(half, 2 * half), 2 * R - 1 - r)]
+        return [(slice(None), slice(None), ((slice(None), False),))]
+    plan = []
+    for l0, g0, n in _zigzag_ranges(R, r, half):
+        keys = ((slice(g0, g0 + n), True),) + (((slice(0, g0), False),) if g0 > 0 else ())
+        plan.append((slice(None), slice(l0, l0 + n), keys))
+    return plan
+
+
+def gather_doc_ids(doc_ids: Tensor, group, ring: int, ulysses: int) -> Tensor:
+    """Every rank's doc-id shard [b, s_local] -> the full [b, S] in global order (sharding.py layout ring x ulysses)."""
+    parts = [torch.empty_like(doc_ids) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, doc_ids.contiguous(), group=group)
+    return sharding.unshard(parts, 1, ring, ulysses)
+
+
+def doc_blocks(doc_ids: Tensor, q_ranges: list[tuple[int, int, int]], causal: bool) -> list[Block]:
+    """Document-causal plan from the FULL sequence's ids [b, S] (identical on every rank, so a bad input raises on
+    all of them alike). q_ranges: (local start, global start, length) of this rank's query pieces.
+
+    A query at p in document [sd, ed) sees keys [sd, p] (causal) or [sd, ed): each run of queries [qa, qb) of one
+    document is a square causal block on [qa, qb) plus a fully visible block on [sd, qa). Square only, because the
+    backends disagree on how a non-square causal block is aligned. Rows with the same boundaries share one block.
+    """
+    doc = doc_ids.detach().to("cpu", torch.long)  # one small host copy: the plan is Python control flow
+    bad = (doc[:, 1:] < doc[:, :-1]).nonzero()
+    if len(bad):
+        i, j = bad[0].tolist()
+        raise ValueError(f"doc_ids must be non-decreasing along each row (each document one contiguous run, e.g. "
+                         f"cumsum(position_ids == 0)); row {i} goes from {doc[i, j].item()} to {doc[i, j + 1].item()} "
+                         f"at position {j + 1}")
+    S = doc.shape[1]
+    cuts = [[0] + (row[1:] != row[:-1]).nonzero().flatten().add(1).tolist() + [S] for row in doc]
+    rows = [(slice(None), cuts[0])] if all(c == cuts[0] for c in cuts) else \
+        [(slice(i, i + 1), c) for i, c in enumerate(cuts)]
+    plan = []
+    for rs, c in rows:
+        for l0, g0, n in q_ranges:
+            for sd, ed in pairwise(c):
+                qa, qb = max(sd, g0), min(ed, g0 + n)
+                if qa >= qb:  # this document has no query here: nothing to compute
+                    continue
+                if causal:
+                    keys = ((slice(qa, qb), True),) + (((slice(sd, qa), False),) if sd < qa else ())
+                else:
+                    keys = ((slice(sd, ed), False),)
+                plan.append((rs, slice(qa - g0 + l0, qb - g0 + l0), keys))
+    return plan
+
+
+def attend_blocks(q: Tensor, k: Tensor, v: Tensor, plan: list[Block], scale: float,
+                  backend: Backend) -> tuple[Tensor, Tensor]:
+    """fp32 (out, lse) of the local queries q [b, h, s, d] over the whole sequence's k/v [b, h_kv, S, d]."""
+    acc = _acc_dtype(q.dtype)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    for rows, qs, keys in plan:
+        qc, o, l = q[rows, :, qs], None, None
+        for ks, c in keys:
+            o, l = merge(o, l, *block_forward(qc, k[rows, :, ks], v[rows, :, ks], causal=c, scale=scale,
+                                              backend=backend))
+        out[rows, :, qs], lse[rows, :, qs] = o, l
+    return out, lse
+
+
+def attend_blocks_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                           plan: list[Block], scale: float, backend: Backend, dq: Tensor, dk: Tensor,
+                           dv: Tensor) -> None:
+    """Accumulate the plan's block gradients into the fp32 buffers dq [b, h, s, d] and dk/dv [b, h_kv, S, d]."""
+    for rows, qs, keys in plan:
+        qc, oc, lc, dc = (t[rows, :, qs].contiguous() for t in (q, out, lse, dout))
+        for ks, c in keys:
+            g = block_backward(dc, qc, k[rows, :, ks], v[rows, :, ks], oc, lc, causal=c, scale=scale, backend=backend)
+            dq[rows, :, qs] += g[0]
+            dk[rows, :, ks] += g[1]
+            dv[rows, :, ks] += g[2]
 
 
 class _AllGatherKVAttendReduceScatterDKV(torch.autograd.Function):
     """forward: all-gather K/V over the cp group, attend; backward: block grads, reduce-scatter dK/dV (fp32 sum)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, backend):
-        R, r, half = dist.get_world_size(group), dist.get_rank(group), q.shape[2] // 2
+    def forward(ctx, q, k, v, group, plan, scale, backend):
         kv = _all_gather_kv(k, v, group)
-        outs, lses = [], []
-        for qs, m in _chunks(R, r, half, causal):
-            qc = q[:, :, qs]
-            if m is None:
-                out, lse = block_forward(qc, kv[0], kv[1], causal=False, scale=scale, backend=backend)
-            else:
-                diag = slice(m * half, (m + 1) * half)
-                out, lse = merge(None, None, *block_forward(qc, kv[0, :, :, diag], kv[1, :, :, diag], causal=True,
-                                                            scale=scale, backend=backend))
-                if m > 0:  # everything before this chunk is fully visible
-                    pre = slice(0, m * half)
-                    out, lse = merge(out, lse, *block_forward(qc, kv[0, :, :, pre], kv[1, :, :, pre], causal=False,
-                                                              scale=scale, backend=backend))
-            outs.append(out)
-            lses.append(lse)
-        out, lse = torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2)
+        out, lse = attend_blocks(q, kv[0], kv[1], plan, scale, backend)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.backend = group, causal, scale, backend
+        ctx.group, ctx.plan, ctx.scale, ctx.backend = group, plan, scale, backend
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale, backend = ctx.group, ctx.causal, ctx.scale, ctx.backend
-        R, r, half = dist.get_world_size(group), dist.get_rank(group), q.shape[2] // 2
         acc = _acc_dtype(q.dtype)
-        kv = _all_gather_kv(k, v, group)  # re-gathered: saving it would keep S-sized K/V per layer alive
+        kv = _all_gather_kv(k, v, ctx.group)  # re-gathered: saving it would keep S-sized K/V per layer alive
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-        for qs, m in _chunks(R, r, half, causal):
-            qc, oc, lc, dc = (t[:, :, qs].contiguous() for t in (q, out, lse, dout))
-            if m is None:
-                blocks = [(slice(None), False)]
-            else:
-                blocks = [(slice(m * half, (m + 1) * half), True)] + ([(slice(0, m * half), False)] if m > 0 else [])
-            for ks, blk_causal in blocks:
-                g = block_backward(dc, qc, kv[0, :, :, ks], kv[1, :, :, ks], oc, lc, causal=blk_causal, scale=scale,
-                                   backend=backend)
-                dq[:, :, qs] += g[0]
-                dkv[0, :, :, ks] += g[1]
-                dkv[1, :, :, ks] += g[2]
-        dkv = _reduce_scatter_dkv(dkv, group)
+        attend_blocks_backward(dout, q, kv[0], kv[1], out, lse, ctx.plan, ctx.scale, ctx.backend, dq, dkv[0], dkv[1])
+        dkv = _reduce_scatter_dkv(dkv, ctx.group)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup], *, causal: bool,
-                        scale: Optional[float] = None, backend: Optional[str | Backend] = None) -> Tensor:
+                        scale: Optional[float] = None, backend: Optional[str | Backend] = None,
+                        doc_ids: Optional[Tensor] = None) -> Tensor:
     """colossalai_cp attention of this rank's zigzag-sharded q over the all-gathered k/v of `group` (the cp group).
-    q [b, h, s_local, d], k/v [b, h_kv, s_local, d] -> [b, h, s_local, d] in q.dtype."""
-    _check(q, k, v, causal)
+    q [b, h, s_local, d], k/v [b, h_kv, s_local, d] -> [b, h, s_local, d] in q.dtype. doc_ids [b, s_local]: this
+    rank's shard of the packed documents' ids (non-decreasing along the full row): document-causal attention."""
+    _check(q, k, v, causal or doc_ids is not None)  # packed: the zigzag chunks map local to global positions
     if group is None:
         group = dist.group.WORLD
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if not isinstance(backend, Backend):
         backend = select_backend(q.device, q.dtype, name=backend)
-    return _AllGatherKVAttendReduceScatterDKV.apply(q, k, v, group, causal, scale, backend)
+    R, r, half = dist.get_world_size(group), dist.get_rank(group), q.shape[2] // 2
+    if doc_ids is None:
+        plan = _blocks(R, r, half, causal)
+    else:
+        plan = doc_blocks(gather_doc_ids(doc_ids, group, R, 1), _zigzag_ranges(R, r, half), causal)
+    return _AllGatherKVAttendReduceScatterDKV.apply(q, k, v, group, plan, scale, backend)

@@ -9,6 +9,10 @@ ulysses: contiguous pieces over cp; ring/hybrid: zigzag over cp_ring (2*cp_ring 
 2*cp_ring-1-r), each ring segment split contiguously over cp_ulysses; allgather: zigzag over the whole cp group.
 A layout without context parallelism (cp == 1) is an error for the attention (use the model's own attention);
 shard_sequence/unshard_sequence are the identity there.
+
+Packed sequences: doc_ids=shard_sequence(full_doc_ids, layout, algo=...) (e.g. cumsum(position_ids == 0), or the
+`doc_ids` entry of batch.shard_batch) gives document-causal attention across the cp split with allgather and
+ulysses (and hybrid when cp_ring == 1, which is Ulysses); ring/hybrid over cp_ring > 1 do not support it yet.
 """
 from __future__ import annotations
 
@@ -96,13 +100,37 @@ def _validate(q: Any, k: Any, v: Any) -> None:
         raise ValueError(f"empty input: q shape {tuple(q.shape)}")
 
 
+def _validate_doc_ids(doc_ids: Any, q: Tensor, layout: Any, name: str) -> str:
+    """Checks doc_ids; returns the algorithm that runs them (hybrid without a ring is Ulysses, same token layout)."""
+    if not isinstance(doc_ids, Tensor):
+        raise TypeError(f"doc_ids must be a torch.Tensor [batch, s_local] of document ids, got "
+                        f"{type(doc_ids).__name__}")
+    if doc_ids.dtype.is_floating_point or doc_ids.dtype.is_complex or doc_ids.dtype == torch.bool:
+        raise TypeError(f"doc_ids must be an integer tensor (torch.long), got {doc_ids.dtype}")
+    if tuple(doc_ids.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"doc_ids must have shape [batch, s_local] = {tuple(q.shape[:2])} like q, got "
+                         f"{tuple(doc_ids.shape)}: pass this rank's shard, shard_sequence(doc_ids, layout, "
+                         f"algo={name!r}) of the full [batch, seq] ids")
+    if name == "hybrid" and layout.size("cp_ring") == 1:
+        return "ulysses"
+    if name in ("ring", "hybrid"):
+        raise ValueError(f"packed sequences (doc_ids) are not implemented for algo={name!r} (cp_ring="
+                         f"{layout.size('cp_ring')}); use algo='allgather' or algo='ulysses' (MindFormers "
+                         f"colossalai_cp without use_ring_attention, or ulysses_cp)")
+    return name
+
+
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: Any, causal: bool = True,
                                softmax_scale: Optional[float] = None, algo: Optional[str] = None,
-                               backend: Union[None, str, Backend] = None) -> Tensor:
+                               backend: Union[None, str, Backend] = None, doc_ids: Optional[Tensor] = None) -> Tensor:
     """Attention over the whole (cp-sharded) sequence. q [b, s_local, h, d], k/v [b, s_local, h_kv, d], each
     this rank's tokens as given by shard_sequence(..., algo) (same algo); returns [b, s_local, h, d] (a
     transposed view of the [b, h, s, d] result). Differentiable; softmax_scale defaults to 1/sqrt(d).
-    `backend` forces a block kernel (kernels.BACKENDS name)."""
+    `backend` forces a block kernel (kernels.BACKENDS name).
+
+    doc_ids (packed rows): integer [b, s_local], sharded like q, of document ids that are non-decreasing along the
+    full row; a query then sees only its own document's keys (causal: at positions <= its own). algo allgather or
+    ulysses (hybrid with cp_ring == 1)."""
     _validate(q, k, v)
     name = resolve_algo(layout, algo)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
@@ -122,8 +150,11 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: Any, cau
             raise ValueError(f"context_parallel_attention(algo={name!r}): s_local={q.shape[1]} x cp={cp} = "
                              f"{q.shape[1] * cp} tokens: {e} (shard q, k, v with shard_sequence(x, layout, "
                              f"algo={name!r}))") from None
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # the one transpose to the kernels' [b, h, s, d]
     kw = dict(causal=causal, scale=scale, backend=backend)
+    if doc_ids is not None:
+        name = _validate_doc_ids(doc_ids, q, layout, name)
+        kw["doc_ids"] = doc_ids.to(q.device)
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # the one transpose to the kernels' [b, h, s, d]
     if name == "allgather":
         from .allgather import allgather_attention
 

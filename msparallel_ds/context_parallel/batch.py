@@ -3,6 +3,12 @@
 Labels are shifted BEFORE sharding (token t predicts t+1 of the full sequence; after a zigzag split a rank's
 neighbour token is usually on another rank) and handed to HF models as `shift_labels`, which their loss uses
 without shifting again. position_ids are sharded with the same permutation so RoPE sees global positions.
+
+Packed rows (several documents per row: position_ids restarting at 0, flash-attn style cu_seqlens, or explicit
+doc_ids) also get a sharded `doc_ids` entry, computed on the FULL row before sharding (a shard cannot see the
+boundaries on other ranks); pass it to the model for document-causal attention (hf_attention). Labels are used as
+given: a target crossing into the next document is ignored only if its label is (DataCollatorWithFlattening puts
+-100 on each document's first token).
 """
 from __future__ import annotations
 
@@ -14,6 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 IGNORE_INDEX = -100
+# flash-attn varlen metadata describes the unsharded rows: consumed here (as doc_ids), never passed on to the model
+_VARLEN_KEYS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def shift_labels(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
@@ -21,12 +29,43 @@ def shift_labels(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
     return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
 
 
+def doc_ids_from_position_ids(position_ids: Tensor) -> Tensor:
+    """[b, s] document ids, a new document wherever position_ids restart at 0 (non-decreasing along each row)."""
+    return torch.cumsum(position_ids == 0, dim=-1)
+
+
+def doc_ids_from_cu_seqlens(cu_seqlens: Tensor, batch: int, seq_len: int) -> Tensor:
+    """[b, s] document ids from cumulative document lengths over the flattened batch ([0, l1, l1+l2, ..., b*s],
+    the flash-attn varlen convention); a document may not cross a row."""
+    cu = torch.as_tensor(cu_seqlens).flatten().long().cpu()
+    rows = torch.arange(batch + 1) * seq_len
+    if cu.numel() < 2 or cu[0] != 0 or cu[-1] != batch * seq_len or bool((cu[1:] <= cu[:-1]).any()) \
+            or not bool(torch.isin(rows, cu).all()):
+        raise ValueError(f"cu_seqlens must increase from 0 to batch*seq_len = {batch * seq_len} and include every "
+                         f"row start {rows.tolist()} (documents cannot cross rows); got {cu.tolist()}")
+    starts = torch.zeros(batch * seq_len, dtype=torch.long)
+    starts[cu[1:-1]] = 1
+    return starts.cumsum(0).view(batch, seq_len)
+
+
+def positions_from_doc_ids(doc_ids: Tensor) -> Tensor:
+    """[b, s] position of each token inside its document (0 at each document's first token)."""
+    idx = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
+    first = torch.ones_like(doc_ids, dtype=torch.bool)
+    first[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return idx - torch.where(first, idx, 0).cummax(dim=1).values
+
+
 def shard_batch(batch: Mapping[str, Any], layout, *, algo: Optional[str] = None,
                 ignore_index: int = IGNORE_INDEX) -> dict[str, Any]:
-    """This cp rank's part of a HF batch: input_ids / inputs_embeds, shift_labels, position_ids (made when absent).
+    """This cp rank's part of a HF batch: input_ids / inputs_embeds, shift_labels, position_ids (made when absent),
+    and doc_ids for packed rows.
 
     An attention_mask that masks padding cannot be split by position: pass packed sequences (position_ids that
-    restart at 0) or unpadded rows instead; an all-ones mask is dropped.
+    restart at 0) or unpadded rows instead; an all-ones mask is dropped. Documents come from `doc_ids` [b, s],
+    else `cu_seqlens` (or HF's `cu_seq_lens_q`), else position_ids restarting at 0; `doc_ids` is returned when the
+    batch gives ids or cu_seqlens, or when some row holds several documents. Missing position_ids restart per
+    document.
     """
     from .api import shard_sequence
 
@@ -41,18 +80,29 @@ def shard_batch(batch: Mapping[str, Any], layout, *, algo: Optional[str] = None,
         raise ValueError("attention_mask with padding cannot be sharded over context parallel; pack the sequences "
                          "(position_ids restarting at 0 per document) or drop the padding")
     position_ids = batch.get("position_ids")
+    doc_ids = batch.get("doc_ids")
+    cu = batch.get("cu_seqlens", batch.get("cu_seq_lens_q"))
+    if doc_ids is None and cu is not None:
+        doc_ids = doc_ids_from_cu_seqlens(cu, b, s).to(ref.device)
+    if doc_ids is not None and tuple(doc_ids.shape) != (b, s):
+        raise ValueError(f"doc_ids must have the batch's shape [batch, seq] = {(b, s)}, got {tuple(doc_ids.shape)}")
     if position_ids is None:
-        position_ids = torch.arange(s, device=ref.device).unsqueeze(0).expand(b, s)
+        position_ids = (positions_from_doc_ids(doc_ids) if doc_ids is not None
+                        else torch.arange(s, device=ref.device).unsqueeze(0).expand(b, s))
+    elif doc_ids is None:
+        derived = doc_ids_from_position_ids(position_ids.expand(b, s))
+        if bool((derived[:, -1] != derived[:, 0]).any()):  # only packed rows pay for the document path
+            doc_ids = derived
     labels = batch.get("labels")
     targets = batch.get("shift_labels")
     if targets is None and labels is not None:
         targets = shift_labels(labels, ignore_index)
     for key, value in (("input_ids", ids), ("inputs_embeds", batch.get("inputs_embeds")),
-                       ("position_ids", position_ids), ("shift_labels", targets)):
+                       ("position_ids", position_ids), ("shift_labels", targets), ("doc_ids", doc_ids)):
         if value is not None:
             out[key] = shard_sequence(value, layout, dim=1, algo=algo)
     for key, value in batch.items():  # anything else (e.g. num_items_in_batch) passes through
-        if key not in out and key not in ("labels", "attention_mask", "input_ids", "inputs_embeds"):
+        if key not in out and key not in ("labels", "attention_mask", "input_ids", "inputs_embeds", *_VARLEN_KEYS):
             out[key] = value
     return out
 

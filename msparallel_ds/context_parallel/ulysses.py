@@ -6,16 +6,22 @@ all-to-all returns the output to the sequence-sharded layout. Layout inside cont
 
 GQA (DeepSpeed ALST's rule): kv heads are split like q heads when h_kv % U == 0; when U % h_kv == 0 each kv head is
 replicated U/h_kv times first (autograd of the replication sums the replicas' gradients); otherwise a clear error.
+
+Packed sequences (doc_ids): after the all-to-all every rank holds the whole sequence in order, so the documents'
+ids are all-gathered once (tiny) and each document runs as its own causal block (allgather.doc_blocks): nothing
+crosses a document and no [S, S] mask is built.
 """
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .allgather import attend_blocks, attend_blocks_backward, doc_blocks, gather_doc_ids
 from .kernels import Backend, block_backward, block_forward, select_backend
+from .ring import _acc_dtype
 
 __all__ = ["SeqToHeadAllToAll", "HeadToSeqAllToAll", "seq_to_head", "head_to_seq", "local_attention",
            "ulysses_attention", "ulysses_wrap", "check_ulysses_heads", "valid_ulysses_degrees", "resolve_backend"]
@@ -103,6 +109,25 @@ class _LocalAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
+class _PackedAttention(torch.autograd.Function):
+    """Local attention following a document plan (allgather.doc_blocks) over the whole local sequence."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, scale, backend):
+        out, lse = attend_blocks(q, k, v, plan, scale, backend)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale, ctx.backend = plan, scale, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = (torch.zeros(t.shape, dtype=_acc_dtype(q.dtype), device=q.device) for t in (q, k, v))
+        attend_blocks_backward(dout, q, k, v, out, lse, ctx.plan, ctx.scale, ctx.backend, dq, dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
 def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
                     backend: Union[None, str, Backend] = None) -> Tensor:
     """Plain attention on this rank's tensors ([b, h, s, d], k/v with h_kv heads) through the block kernels."""
@@ -160,9 +185,14 @@ def ulysses_wrap(q: Tensor, k: Tensor, v: Tensor, group, inner: Callable[[Tensor
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group, *, causal: bool, scale: float,
-                      backend: Union[None, str, Backend] = None) -> Tensor:
+                      backend: Union[None, str, Backend] = None, doc_ids: Optional[Tensor] = None) -> Tensor:
     """q [b, h, s_local, d], k/v [b, h_kv, s_local, d]: this rank's contiguous sequence piece (rank order) over
-    `group`. Returns [b, h, s_local, d]. Autograd flows through both all-to-alls and the block kernels."""
+    `group`. Returns [b, h, s_local, d]. Autograd flows through both all-to-alls and the block kernels.
+    doc_ids [b, s_local]: this piece's document ids (non-decreasing along the full row): document-causal attention."""
     be = resolve_backend(backend, q)
-    return ulysses_wrap(q, k, v, group, lambda q_, k_, v_: local_attention(q_, k_, v_, causal=causal, scale=scale,
-                                                                            backend=be))
+    if doc_ids is None:
+        return ulysses_wrap(q, k, v, group, lambda q_, k_, v_: local_attention(q_, k_, v_, causal=causal,
+                                                                                scale=scale, backend=be))
+    full = gather_doc_ids(doc_ids, group, 1, dist.get_world_size(group))
+    plan = doc_blocks(full, [(0, 0, full.shape[1])], causal)
+    return ulysses_wrap(q, k, v, group, lambda q_, k_, v_: _PackedAttention.apply(q_, k_, v_, plan, scale, be))

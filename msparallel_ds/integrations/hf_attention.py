@@ -5,9 +5,15 @@ HF calls fn(module, query, key, value, attention_mask, dropout=0.0, scaling=None
 runs on this rank's sequence shard (see context_parallel.batch.shard_batch); RoPE uses the sharded
 position_ids, so every token keeps its global position. Causality is global and handled here, so the matching
 mask function returns no mask.
+
+Packed rows: shard_batch returns a sharded `doc_ids` entry; pass it to the model (model(..., doc_ids=shard["doc_ids"])
+or model(**shard)). transformers 5 forwards unknown model kwargs (TransformersKwargs) through the decoder layers to
+the attention function, which hands them to context_parallel_attention for document-causal attention. A shard's
+position_ids alone cannot place document boundaries that lie on other ranks, hence the explicit ids.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 DEFAULT_NAME = "msparallel_cp"
@@ -17,8 +23,26 @@ def _no_mask(*args, **kwargs):
     return None  # causal structure across the cp split is applied inside the attention itself
 
 
+def _check_unpacked(position_ids, layout) -> None:
+    """position_ids restarting at 0 anywhere but the sequence's first token (local token 0 of cp rank 0, in every
+    algorithm's layout) mean packed documents; HF would mask them apart, so without doc_ids this is an error, not
+    silent cross-document attention (it also catches unsharded position_ids: arange(s_local) on every rank).
+    Only ranks holding a restart can see it: the others reach the collective and wait there until this error
+    ends the job."""
+    restart = position_ids == 0
+    if layout.rank("cp") == 0:
+        restart[..., 0] = False
+    if bool(restart.any()):
+        raise ValueError("position_ids restart at 0 inside the sequence but no doc_ids reached the context-parallel "
+                         "attention: shard the batch with context_parallel.batch.shard_batch and pass its "
+                         "position_ids and, for packed documents, its doc_ids to the model "
+                         "(model(..., position_ids=shard['position_ids'], doc_ids=shard['doc_ids']))")
+
+
 def make_cp_attention(layout, algo: Optional[str] = None, backend: Optional[str] = None):
     from ..context_parallel.api import context_parallel_attention
+
+    checked = [None]  # weakref to the last position_ids found unpacked: HF passes one tensor to every layer
 
     def cp_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
         if dropout and module.training:
@@ -26,9 +50,13 @@ def make_cp_attention(layout, algo: Optional[str] = None, backend: Optional[str]
         if attention_mask is not None:
             raise ValueError("context-parallel attention got a dense attention_mask; shard the batch with "
                              "msparallel_ds.context_parallel.batch.shard_batch (padding masks are not supported)")
+        doc_ids, position_ids = kwargs.get("doc_ids"), kwargs.get("position_ids")
+        if doc_ids is None and position_ids is not None and (checked[0] is None or checked[0]() is not position_ids):
+            _check_unpacked(position_ids, layout)  # one host sync per forward, not per layer
+            checked[0] = weakref.ref(position_ids)
         out = context_parallel_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), layout,
                                          causal=getattr(module, "is_causal", True), softmax_scale=scaling,
-                                         algo=algo, backend=backend)
+                                         algo=algo, backend=backend, doc_ids=doc_ids)
         return out, None
 
     return cp_attention
