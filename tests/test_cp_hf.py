@@ -4,19 +4,9 @@ from types import SimpleNamespace
 import pytest
 
 from harness import run_distributed
+from models import tiny_llama
 
 MESHES = {"ring": (4, 1), "ulysses": (1, 4), "hybrid": (2, 2), "allgather": (4, 1)}  # ulysses 4 > 2 kv heads: replicated
-
-
-def _tiny_llama():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      attention_dropout=0.0, attn_implementation="eager")
-    return LlamaForCausalLM(cfg).float()
 
 
 def _hf_parity(rank, world_size, algos):
@@ -32,7 +22,7 @@ def _hf_parity(rank, world_size, algos):
     input_ids = torch.randint(0, 64, (2, 32), generator=g)
     labels = input_ids.clone()
     labels[0, 5] = -100  # ignored tokens must be weighted correctly across ranks
-    ref = _tiny_llama()
+    ref = tiny_llama()
     out = ref(input_ids=input_ids, labels=labels)
     out.loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
@@ -43,7 +33,7 @@ def _hf_parity(rank, world_size, algos):
             continue
         lay = init_parallel(SimpleNamespace(world_size=world_size, cp_algo=algo,
                                             mesh=dict(pp=1, dp=1, cp_ring=ring, cp_ulysses=uly, tp=1)))
-        model = _tiny_llama()
+        model = tiny_llama()
         use_cp_attention(model, lay, algo=algo)
         shard = shard_batch({"input_ids": input_ids, "labels": labels}, lay, algo=algo)
         logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits

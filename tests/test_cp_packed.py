@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from harness import run_distributed
+from models import tiny_llama
 
 TOL = 1e-4
 B, H, D, S = 2, 8, 16, 64
@@ -59,17 +60,6 @@ def _reference(doc, h_kv, causal, seed):
     return (q, k, v, dout), (out.detach(), qr.grad, kr.grad, vr.grad)
 
 
-def _tiny_llama():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      attention_dropout=0.0, attn_implementation="eager")
-    return LlamaForCausalLM(cfg).float()
-
-
 def _hf_reference(input_ids, labels, lens):
     """Unsharded model on the packed rows with the 4-D block-diagonal causal mask; checked against one forward per
     document (positions from 0), so the reference is unambiguous."""
@@ -79,7 +69,7 @@ def _hf_reference(input_ids, labels, lens):
 
     pos = _positions(lens)
     mask = torch.zeros(B, 1, S, S).masked_fill(~_allowed(doc_ids_from_position_ids(pos), True), float("-inf"))
-    ref = _tiny_llama()
+    ref = tiny_llama()
     out = ref(input_ids=input_ids, labels=labels, position_ids=pos, attention_mask=mask)
     out.loss.backward()
     with torch.no_grad():
@@ -134,7 +124,7 @@ def _run(rank, world_size):
     cu = torch.tensor([0, 5, 35, 64, 87, 89, 128])  # the same documents as flash-attn varlen boundaries
     for algo, docs in (("allgather", {"position_ids": pos}), ("ulysses", {"cu_seqlens": cu})):
         lay = _layout(world_size, algo)
-        model = _tiny_llama()
+        model = tiny_llama()
         use_cp_attention(model, lay, algo=algo)
         shard = shard_batch({"input_ids": input_ids, "labels": labels, **docs}, lay, algo=algo)
         assert set(shard) == {"input_ids", "position_ids", "shift_labels", "doc_ids"}, set(shard)
