@@ -215,7 +215,6 @@ def _time(fn, repeats, barrier=None):
 
 def _deepspeed_ulysses(rank, world, q, k, v, dout, ref, args):
     """DeepSpeed's DistributedAttention (the Ulysses peer) on the same inputs; kv repeated (it has no GQA)."""
-    import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -265,7 +264,8 @@ def simulate_ring(n: int, args: dict) -> dict:
     merge, no communication) and compares the slowest rank with 1/N of one full-sequence call: ring efficiency."""
     import torch
 
-    from msparallel_ds.context_parallel.kernels import block_forward, merge, select_backend
+    from msparallel_ds.context_parallel.kernels import block_forward, select_backend
+    from msparallel_ds.context_parallel.ring import forward_step
     from msparallel_ds.context_parallel.sharding import shard
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -283,21 +283,12 @@ def simulate_ring(n: int, args: dict) -> dict:
 
     local = [[shard(x, 2, n, 1, r, 0) for x in (q, k, v)] for r in range(n)]
 
-    def rank_steps(r):
-        ql, half = local[r][0], local[r][0].shape[2] // 2
+    def rank_steps(r):  # the same step function the ring runs, with the blocks read locally
         out = lse = None
         for step in range(n):
             src = (r - step) % n
-            _, kb, vb = local[src]
-            if src == r:
-                o, l = block_forward(ql, kb, vb, causal=True, scale=scale, backend=backend)
-                out, lse = merge(out, lse, o, l)
-            elif src < r:
-                o, l = block_forward(ql, kb[:, :, :half], vb[:, :, :half], causal=False, scale=scale, backend=backend)
-                out, lse = merge(out, lse, o, l)
-            else:
-                o, l = block_forward(ql[:, :, half:], kb, vb, causal=False, scale=scale, backend=backend)
-                out[:, :, half:], lse[:, :, half:] = merge(out[:, :, half:], lse[:, :, half:], o, l)
+            out, lse = forward_step(local[r][0], local[src][1], local[src][2], src, r, out, lse, causal=True,
+                                    scale=scale, backend=backend)
         out.to(dtype)
         sync()
 

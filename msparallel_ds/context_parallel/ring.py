@@ -62,13 +62,28 @@ def _check(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
         raise ValueError(f"causal zigzag attention needs an even local length (two chunks), got {q.shape[2]}")
 
 
+def forward_step(q: Tensor, kb: Tensor, vb: Tensor, src: int, rank: int, out: Optional[Tensor],
+                 lse: Optional[Tensor], *, causal: bool, scale: float, backend: Backend) -> tuple[Tensor, Tensor]:
+    """Fold ring rank `src`'s K/V block into this rank's running fp32 (out, lse). Causal zigzag: the own block is
+    the diagonal; from src < rank only the first half of the keys is in the past; from src > rank only the second
+    half of the queries sees anything. What causality hides is not computed."""
+    half = q.shape[2] // 2
+    if not causal or src == rank:
+        return merge(out, lse, *block_forward(q, kb, vb, causal=causal, scale=scale, backend=backend))
+    if src < rank:
+        return merge(out, lse, *block_forward(q, kb[:, :, :half], vb[:, :, :half], causal=False, scale=scale,
+                                              backend=backend))
+    o, l = block_forward(q[:, :, half:], kb, vb, causal=False, scale=scale, backend=backend)  # views, no copies
+    out[:, :, half:], lse[:, :, half:] = merge(out[:, :, half:], lse[:, :, half:], o, l)
+    return out, lse
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, backend):
         ring = _Ring(group)
-        R, r, half = ring.size, ring.rank, q.shape[2] // 2
+        R, r = ring.size, ring.rank
         kv = torch.stack([k, v]).contiguous()  # one buffer: one send per step
-        q_hi = q[:, :, half:] if causal else None  # a view: the kernels take strided [b, h, s, d]
         out = lse = reqs = nxt = None
         for step in range(R):
             src = (r - step) % R
@@ -78,16 +93,7 @@ class _RingAttention(torch.autograd.Function):
             if step < R - 1:  # next block in flight while this one is computed
                 nxt = torch.empty_like(kv)
                 reqs = ring.exchange(kv, nxt, _TAG_KV)
-            kb, vb = kv[0], kv[1]
-            if not causal or src == r:
-                o, l = block_forward(q, kb, vb, causal=causal, scale=scale, backend=backend)
-                out, lse = merge(out, lse, o, l)
-            elif src < r:
-                o, l = block_forward(q, kb[:, :, :half], vb[:, :, :half], causal=False, scale=scale, backend=backend)
-                out, lse = merge(out, lse, o, l)
-            else:
-                o, l = block_forward(q_hi, kb, vb, causal=False, scale=scale, backend=backend)
-                out[:, :, half:], lse[:, :, half:] = merge(out[:, :, half:], lse[:, :, half:], o, l)
+            out, lse = forward_step(q, kv[0], kv[1], src, r, out, lse, causal=causal, scale=scale, backend=backend)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.causal, ctx.scale, ctx.backend = ring, causal, scale, backend
