@@ -19,70 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+# The all-to-all pair lives with the other autograd collectives (DESIGN: one place); re-exported here.
+from ..tensor_parallel.comm import HeadToSeqAllToAll, SeqToHeadAllToAll, head_to_seq, seq_to_head
 from .allgather import attend_blocks, attend_blocks_backward, doc_blocks, gather_doc_ids
 from .kernels import Backend, block_backward, block_forward, select_backend
 from .ring import _acc_dtype
 
 __all__ = ["SeqToHeadAllToAll", "HeadToSeqAllToAll", "seq_to_head", "head_to_seq", "local_attention",
            "ulysses_attention", "ulysses_wrap", "check_ulysses_heads", "valid_ulysses_degrees", "resolve_backend"]
-
-
-# ---------------------------------------------------------------------------------------------- collectives
-def _seq_to_head(x: Tensor, group) -> Tensor:
-    """[b, h, s, d] (sequence piece `rank`) -> [b, h/U, U*s, d] (head chunk `rank`, sequence in rank order)."""
-    u = dist.get_world_size(group)
-    b, h, s, d = x.shape
-    # dim 0 = destination rank: head chunk j goes to rank j (all_to_all_single splits dim 0 evenly)
-    send = x.reshape(b, u, h // u, s, d).transpose(0, 1).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    # dim 0 = source rank = its sequence piece: put it in front of the sequence dim
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // u, u * s, d)
-
-
-def _head_to_seq(x: Tensor, group) -> Tensor:
-    """Inverse of _seq_to_head: [b, h/U, U*s, d] -> [b, h, s, d]."""
-    u = dist.get_world_size(group)
-    b, hu, us, d = x.shape
-    s = us // u
-    send = x.reshape(b, hu, u, s, d).permute(2, 0, 1, 3, 4).contiguous()  # dim 0 = destination's sequence piece
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.transpose(0, 1).reshape(b, u * hu, s, d)  # dim 0 = source rank = head chunk
-
-
-class SeqToHeadAllToAll(torch.autograd.Function):
-    """Forward: gather the sequence, scatter the heads over `group`. Backward: the inverse (head-to-seq)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        ctx.group = group
-        return _seq_to_head(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _head_to_seq(grad, ctx.group), None
-
-
-class HeadToSeqAllToAll(torch.autograd.Function):
-    """Forward: gather the heads, scatter the sequence over `group`. Backward: the inverse (seq-to-head)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        ctx.group = group
-        return _head_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _seq_to_head(grad, ctx.group), None
-
-
-def seq_to_head(x: Tensor, group) -> Tensor:
-    return x if dist.get_world_size(group) == 1 else SeqToHeadAllToAll.apply(x, group)
-
-
-def head_to_seq(x: Tensor, group) -> Tensor:
-    return x if dist.get_world_size(group) == 1 else HeadToSeqAllToAll.apply(x, group)
 
 
 # ---------------------------------------------------------------------------------------------- local attention
