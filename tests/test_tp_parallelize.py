@@ -1,0 +1,143 @@
+"""tp_parallelize on a HF Llama: logits, loss and every weight grad equal the unsharded model's (tp=4 replicates the
+2 kv heads; dp2 x tp2 splits them), with and without vocab parallel; clear errors for what is not supported."""
+from types import SimpleNamespace
+
+import pytest
+from harness import run_distributed
+from models import tiny_llama
+
+CASES = [(1, 4, False), (1, 4, True), (2, 2, False), (2, 2, True)]  # (dp, tp, vocab_parallel)
+QWEN3_CASES = [(1, 4, True), (2, 2, False)]
+
+
+def tiny_qwen3():
+    """Qwen3 adds per-head q_norm/k_norm (replicated weights, grads summed over tp) and tied embeddings."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=8,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=True, attn_implementation="sdpa")
+    return Qwen3ForCausalLM(cfg).float()
+
+
+def _tp_parity(rank, world_size, cases, build=tiny_llama):
+    import torch
+
+    from msparallel_ds.distributed import init_parallel
+    from msparallel_ds.tensor_parallel.apply import (
+        tp_parallelize,
+        vocab_parallel_causal_lm_loss,
+    )
+    from msparallel_ds.tensor_parallel.comm import all_gather_along
+
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, 64, (2, 16), generator=g)
+    labels = input_ids.clone()
+    labels[0, 5] = -100
+    ref = build()
+    out = ref(input_ids=input_ids, labels=labels)
+    out.loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    results = {}
+    for dp, tp, vocab in cases:
+        lay = init_parallel(SimpleNamespace(world_size=world_size,
+                                            mesh=dict(pp=1, dp=dp, cp_ring=1, cp_ulysses=1, tp=tp)))
+        tpg = lay.group("tp")
+        model = tp_parallelize(build(), lay, vocab_parallel=vocab)
+        n_sharded = sum(getattr(p, "tensor_model_parallel", False) for p in model.parameters())
+        res = model(input_ids=input_ids, labels=labels)
+        res.loss.backward()
+        logits = res.logits.detach()
+        helper_err = 0.0
+        if vocab:
+            helper_err = abs(vocab_parallel_causal_lm_loss(logits, labels, lay).item() - out.loss.item())
+            logits = all_gather_along(logits, tpg, -1)
+        err_grad, names = 0.0, set()
+        for n, p in model.named_parameters():
+            grad = p.grad
+            if getattr(p, "tensor_model_parallel", False):
+                grad = all_gather_along(grad, tpg, p.partition_dim)
+            names.add(n)
+            err_grad = max(err_grad, (grad - ref_grads[n]).abs().max().item())
+        results[(dp, tp, vocab)] = {"loss": abs(res.loss.item() - out.loss.item()), "helper": helper_err,
+                                    "logits": (logits - out.logits.detach()).abs().max().item(), "grad": err_grad,
+                                    "same_names": names == set(ref_grads), "n_sharded": n_sharded}
+    return results
+
+
+@pytest.mark.distributed
+def test_hf_llama_tensor_parallel_matches_unsharded():
+    results = run_distributed(_tp_parity, 4, CASES, timeout=300)
+    for rank, per_case in enumerate(results):
+        assert set(per_case) == set(CASES)
+        for case, err in per_case.items():
+            assert err["same_names"], (rank, case)
+            # q, o, gate, up, down per layer (+ k, v when tp divides kv heads) (+ embedding, lm_head)
+            assert err["n_sharded"] == 2 * (5 + 2 * (case[1] == 2)) + 2 * case[2], (rank, case, err)
+            assert err["loss"] < 1e-5 and err["helper"] < 1e-5 and err["logits"] < 1e-5 and err["grad"] < 1e-5, \
+                (rank, case, err)
+
+
+@pytest.mark.distributed
+def test_hf_qwen3_tensor_parallel_matches_unsharded():
+    results = run_distributed(_tp_parity, 4, QWEN3_CASES, tiny_qwen3, timeout=300)
+    for rank, per_case in enumerate(results):
+        for case, err in per_case.items():
+            assert err["same_names"], (rank, case)
+            assert err["loss"] < 1e-5 and err["helper"] < 1e-5 and err["logits"] < 1e-5 and err["grad"] < 1e-5, \
+                (rank, case, err)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def _fake_layout(tp):
+    return SimpleNamespace(size=lambda name: tp if name == "tp" else 1, group=lambda name: None)
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from msparallel_ds.tensor_parallel.apply import tp_parallelize
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
+    with pytest.raises(ValueError, match="unsupported architecture GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3"):
+        tp_parallelize(model, _fake_layout(2))
+
+
+@pytest.mark.parametrize("tp, match", [
+    (3, "num_attention_heads=4 is not divisible by the tensor-parallel size tp=3"),
+    (8, "num_attention_heads=4 is not divisible by the tensor-parallel size tp=8"),
+])
+def test_head_counts_that_do_not_divide(tp, match):
+    from msparallel_ds.tensor_parallel.apply import tp_parallelize
+
+    with pytest.raises(ValueError, match=match):
+        tp_parallelize(tiny_llama(), _fake_layout(tp))
+
+
+def test_kv_heads_neither_divisible_nor_multiple():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from msparallel_ds.tensor_parallel.apply import tp_parallelize
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=6, num_key_value_heads=3))
+    with pytest.raises(ValueError, match="num_key_value_heads=3 and the tensor-parallel size tp=2"):
+        tp_parallelize(model, _fake_layout(2))
+
+
+def test_plan_starts_from_hf_tp_plan():
+    from msparallel_ds.tensor_parallel.apply import tp_plan
+
+    model = tiny_llama()
+    plan = tp_plan(model, _fake_layout(2), vocab_parallel=True)
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert plan["model.layers.*.mlp.down_proj"] == "rowwise"
+    assert plan["model.embed_tokens"] == "vocab_embedding" and plan["lm_head"] == "vocab_lm_head"
+    replicated = tp_plan(model, _fake_layout(4))
+    assert replicated["model.layers.*.self_attn.k_proj"] == "colwise_kv_replicated"
+    with pytest.raises(NotImplementedError, match="sequence_parallel"):
+        tp_plan(model, _fake_layout(2), sequence_parallel=True)
