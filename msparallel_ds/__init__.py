@@ -21,6 +21,10 @@ _LAZY = {  # torch-heavy parts load on first use, so `msparallel-ds plan` stays 
     "context_parallel_attention": ("context_parallel.api", "context_parallel_attention"),
     "shard_sequence": ("context_parallel.api", "shard_sequence"),
     "unshard_sequence": ("context_parallel.api", "unshard_sequence"),
+    "shard_batch": ("context_parallel.batch", "shard_batch"),
+    "parallelize": ("parallelize", "parallelize"),
+    "initialize": ("engine", "initialize"),
+    "Engine": ("engine", "Engine"),
 }
 
 
@@ -33,5 +37,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'msparallel_ds' has no attribute {name!r}")
 
 
-__all__ = ["ConfigError", "ConfigWarning", "ParallelConfig", "Plan", "ParallelLayout", "context_parallel_attention",
-           "init_parallel", "load_config", "make_plan", "shard_sequence", "unshard_sequence"]
+__all__ = ["ConfigError", "ConfigWarning", "Engine", "ParallelConfig", "Plan", "ParallelLayout",
+           "context_parallel_attention", "init_parallel", "initialize", "load_config", "make_plan", "parallelize",
+           "shard_batch", "shard_sequence", "unshard_sequence"]

@@ -57,20 +57,29 @@ def test_optimizer_shard_is_deprecated_with_warning():
         msp.load_config(cfg({"optimizer_shard": True}))
 
 
-def test_ulysses_needs_cp_times_mp_within_kv_heads():
-    i, _ = issue(cfg({"context_parallel": 4, "model_parallel": 2, "context_parallel_algo": "ulysses_cp"}),
-                 "parallel_config.context_parallel")
-    assert "<= kv heads (4)" in str(i)
+def test_ulysses_kv_heads_split_or_replicated():
+    i, _ = issue(cfg({"context_parallel": 3, "model_parallel": 2, "context_parallel_algo": "ulysses_cp"},
+                     model={"num_heads": 12}), "model.model_config.n_kv_heads")
+    assert "model_parallel=2 x ulysses degree 3 = 6: neither divides the other" in str(i)
 
 
-@pytest.mark.parametrize("pc,key", [
-    ({"model_parallel": 3}, "model.model_config.num_heads"),
-    ({"model_parallel": 8}, "model.model_config.n_kv_heads"),
-    ({"context_parallel": 4, "context_parallel_algo": "hybrid_cp", "ulysses_degree_in_cp": 4, "model_parallel": 2},
-     "model.model_config.n_kv_heads"),
+@pytest.mark.parametrize("pc", [
+    {"model_parallel": 8},
+    {"context_parallel": 4, "context_parallel_algo": "ulysses_cp", "model_parallel": 2},
+    {"context_parallel": 4, "context_parallel_algo": "hybrid_cp", "ulysses_degree_in_cp": 4, "model_parallel": 2},
 ])
-def test_heads_must_divide_over_mp_times_ulysses(pc, key):
-    issue(cfg(pc), key)
+def test_kv_heads_fewer_than_shards_are_replicated_with_a_warning(pc):
+    """MindFormers refuses n_kv_heads % (mp x ulysses) != 0; we replicate kv heads (shards % kv == 0), and say so."""
+    with pytest.warns(ConfigWarning, match="n_kv_heads=4 is not divisible.*= 8.*replicated 2x"):
+        msp.load_config(cfg(pc))
+
+
+@pytest.mark.parametrize("pc,model,key", [
+    ({"model_parallel": 3}, {}, "model.model_config.num_heads"),
+    ({"model_parallel": 4}, {"num_heads": 12, "n_kv_heads": 6}, "model.model_config.n_kv_heads"),
+])
+def test_heads_must_divide_over_mp_times_ulysses(pc, model, key):
+    issue(cfg(pc, model=model), key)
 
 
 def test_gqa_heads_must_divide():

@@ -6,8 +6,10 @@ import pytest
 from harness import run_distributed
 from models import tiny_llama
 
-CASES = [(1, 4, False), (1, 4, True), (2, 2, False), (2, 2, True)]  # (dp, tp, vocab_parallel)
-QWEN3_CASES = [(1, 4, True), (2, 2, False)]
+# (dp, tp, vocab_parallel, sequence_parallel)
+CASES = [(1, 4, False, False), (1, 4, True, True), (1, 4, False, True), (2, 2, False, False), (2, 2, True, False),
+         (2, 2, True, True), (2, 2, False, True)]
+QWEN3_CASES = [(1, 4, True, True), (2, 2, False, False), (2, 2, False, True)]
 
 
 def tiny_qwen3():
@@ -20,6 +22,29 @@ def tiny_qwen3():
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                       tie_word_embeddings=True, attn_implementation="sdpa")
     return Qwen3ForCausalLM(cfg).float()
+
+
+def tiny_qwen2():
+    """Qwen2: q/k/v with bias (column shards of the bias)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      attn_implementation="sdpa")
+    return Qwen2ForCausalLM(cfg).float()
+
+
+def tiny_mistral():
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                        sliding_window=None, attn_implementation="eager")
+    return MistralForCausalLM(cfg).float()
 
 
 def _tp_parity(rank, world_size, cases, build=tiny_llama):
@@ -41,12 +66,15 @@ def _tp_parity(rank, world_size, cases, build=tiny_llama):
     out.loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     results = {}
-    for dp, tp, vocab in cases:
+    for dp, tp, vocab, sp in cases:
         lay = init_parallel(SimpleNamespace(world_size=world_size,
                                             mesh=dict(pp=1, dp=dp, cp_ring=1, cp_ulysses=1, tp=tp)))
         tpg = lay.group("tp")
-        model = tp_parallelize(build(), lay, vocab_parallel=vocab)
+        model = tp_parallelize(build(), lay, vocab_parallel=vocab, sequence_parallel=sp)
         n_sharded = sum(getattr(p, "tensor_model_parallel", False) for p in model.parameters())
+        seen = []  # the residual stream's sequence length at a norm: 16/tp under SP
+        model.model.layers[-1].post_attention_layernorm.register_forward_hook(
+            lambda mod, args, out: seen.append(args[0].shape[1]))
         res = model(input_ids=input_ids, labels=labels)
         res.loss.backward()
         logits = res.logits.detach()
@@ -61,9 +89,10 @@ def _tp_parity(rank, world_size, cases, build=tiny_llama):
                 grad = all_gather_along(grad, tpg, p.partition_dim)
             names.add(n)
             err_grad = max(err_grad, (grad - ref_grads[n]).abs().max().item())
-        results[(dp, tp, vocab)] = {"loss": abs(res.loss.item() - out.loss.item()), "helper": helper_err,
+        results[(dp, tp, vocab, sp)] = {"loss": abs(res.loss.item() - out.loss.item()), "helper": helper_err,
                                     "logits": (logits - out.logits.detach()).abs().max().item(), "grad": err_grad,
-                                    "same_names": names == set(ref_grads), "n_sharded": n_sharded}
+                                    "same_names": names == set(ref_grads), "n_sharded": n_sharded,
+                                    "norm_seq": seen}
     return results
 
 
@@ -76,6 +105,7 @@ def test_hf_llama_tensor_parallel_matches_unsharded():
             assert err["same_names"], (rank, case)
             # q, o, gate, up, down per layer (+ k, v when tp divides kv heads) (+ embedding, lm_head)
             assert err["n_sharded"] == 2 * (5 + 2 * (case[1] == 2)) + 2 * case[2], (rank, case, err)
+            assert err["norm_seq"] == [16 // case[1] if case[3] else 16], (rank, case, err)
             assert err["loss"] < 1e-5 and err["helper"] < 1e-5 and err["logits"] < 1e-5 and err["grad"] < 1e-5, \
                 (rank, case, err)
 
@@ -86,6 +116,17 @@ def test_hf_qwen3_tensor_parallel_matches_unsharded():
     for rank, per_case in enumerate(results):
         for case, err in per_case.items():
             assert err["same_names"], (rank, case)
+            assert err["loss"] < 1e-5 and err["helper"] < 1e-5 and err["logits"] < 1e-5 and err["grad"] < 1e-5, \
+                (rank, case, err)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("build", [tiny_qwen2, tiny_mistral])
+def test_hf_qwen2_and_mistral_tensor_parallel_match_unsharded(build):
+    results = run_distributed(_tp_parity, 4, [(1, 4, True, True), (2, 2, False, True)], build, timeout=300)
+    for rank, per_case in enumerate(results):
+        for case, err in per_case.items():
+            assert err["same_names"] and err["norm_seq"] == [16 // case[1]], (rank, case, err)
             assert err["loss"] < 1e-5 and err["helper"] < 1e-5 and err["logits"] < 1e-5 and err["grad"] < 1e-5, \
                 (rank, case, err)
 
@@ -139,5 +180,10 @@ def test_plan_starts_from_hf_tp_plan():
     assert plan["model.embed_tokens"] == "vocab_embedding" and plan["lm_head"] == "vocab_lm_head"
     replicated = tp_plan(model, _fake_layout(4))
     assert replicated["model.layers.*.self_attn.k_proj"] == "colwise_kv_replicated"
-    with pytest.raises(NotImplementedError, match="sequence_parallel"):
-        tp_plan(model, _fake_layout(2), sequence_parallel=True)
+    sp = tp_plan(model, _fake_layout(2), sequence_parallel=True)
+    assert sp["model.layers.*.self_attn"] == sp["model.layers.*.mlp"] == "sequence_gather_input"
+    assert sp["model.layers.*.input_layernorm"] == sp["model.layers.*.post_attention_layernorm"] == \
+        sp["model.norm"] == "sequence_parallel"
+    assert sp["model.layers.0"] == "sequence_scatter_input"
+    assert sp["lm_head"] == "sequence_gather_input_replicated"
+    assert tp_plan(model, _fake_layout(2), sequence_parallel=True, vocab_parallel=True)["lm_head"] == "vocab_lm_head"

@@ -76,17 +76,21 @@ def _head_rules(cfg: ParallelConfig):
     u = ulysses_degree(cfg)
     shards = cfg.tp * u
     what = f"{k(f'{PC}.model_parallel')}={cfg.tp}" + (f" x ulysses degree {u}" if u > 1 else "")
-    for name, heads in (("num_heads", m.num_heads), ("n_kv_heads", kv)):
-        if heads % shards != 0:
-            yield ConfigIssue(f"{MC}.{name}", heads,
-                              f"must be divisible by {what} = {shards} (attention heads are split over them)",
-                              f"make model_parallel{' x ulysses degree' if u > 1 else ''} one of "
-                              f"{_divisors(heads)}")
-            break
-    if cfg.parallel_config.context_parallel_algo == "ulysses_cp" and cfg.cp > 1 and cfg.cp * cfg.tp > kv:
-        yield ConfigIssue(k(f"{PC}.context_parallel"), cfg.cp,
-                          f"ulysses_cp needs context_parallel x model_parallel = {cfg.cp * cfg.tp} <= kv heads ({kv})",
-                          "lower context_parallel or model_parallel, or use hybrid_cp")
+    if m.num_heads % shards != 0:
+        yield ConfigIssue(f"{MC}.num_heads", m.num_heads,
+                          f"must be divisible by {what} = {shards} (attention heads are split over them)",
+                          f"make model_parallel{' x ulysses degree' if u > 1 else ''} one of "
+                          f"{_divisors(m.num_heads)}")
+    elif kv % shards != 0:
+        if shards % kv == 0:  # beyond MindFormers: each kv head replicated (Megatron / DeepSpeed ALST do the same)
+            _warn(f"{MC}.n_kv_heads={kv} is not divisible by {what} = {shards} (MindFormers refuses this); "
+                  f"each kv head is replicated {shards // kv}x over the ranks that share it")
+        else:
+            yield ConfigIssue(f"{MC}.n_kv_heads", kv,
+                              f"and {what} = {shards}: neither divides the other, so kv heads can be neither split "
+                              "nor replicated evenly",
+                              f"make model_parallel{' x ulysses degree' if u > 1 else ''} a divisor of {kv} or a "
+                              f"multiple of {kv} that divides num_heads={m.num_heads}")
 
 
 def _sequence_rules(cfg: ParallelConfig):

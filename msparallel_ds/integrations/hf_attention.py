@@ -50,6 +50,12 @@ def make_cp_attention(layout, algo: Optional[str] = None, backend: Optional[str]
         if attention_mask is not None:
             raise ValueError("context-parallel attention got a dense attention_mask; shard the batch with "
                              "msparallel_ds.context_parallel.batch.shard_batch (padding masks are not supported)")
+        window = kwargs.get("sliding_window")
+        if window is not None and window < query.shape[2] * layout.size("cp"):
+            raise ValueError(f"sliding_window={window} (Mistral/Qwen2 config) is shorter than the sequence "
+                             f"({query.shape[2] * layout.size('cp')} tokens): context-parallel attention has no "
+                             "sliding window; set sliding_window: null (or >= the sequence length) or "
+                             "context_parallel: 1")
         doc_ids, position_ids = kwargs.get("doc_ids"), kwargs.get("position_ids")
         if doc_ids is None and position_ids is not None and (checked[0] is None or checked[0]() is not position_ids):
             _check_unpacked(position_ids, layout)  # one host sync per forward, not per layer

@@ -93,21 +93,27 @@ class ColumnParallelLinear(_ParallelLinear):
     """y = x W^T + b with W's rows (output features) split over `group`: weight [out/tp, in], bias [out/tp].
 
     Input: replicated over the group (its grad is all-reduced in backward, Megatron's f), or with sequence_parallel
-    this rank's slice along seq_dim (all-gathered here; backward reduce-scatters). Output: this rank's out/tp
-    features, or all of them with gather_output=True.
+    this rank's slice along seq_dim (all-gathered here; backward reduce-scatters), or with input_is_gathered the
+    full sequence already all-gathered once for a whole block by the caller (SP with one all-gather shared by
+    q/k/v or gate/up): no collective here, that gather's reduce-scatter sums the partial input grads. Output: this
+    rank's out/tp features, or all of them with gather_output=True.
     """
     _split_dim = 0
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group, *, gather_output: bool = False,
-                 sequence_parallel: bool = False, seq_dim: int = 1, device=None, dtype=None):
+                 sequence_parallel: bool = False, input_is_gathered: bool = False, seq_dim: int = 1, device=None,
+                 dtype=None):
         super().__init__(in_features, out_features, bias, group, sequence_parallel=sequence_parallel,
                          seq_dim=seq_dim, device=device, dtype=dtype)
-        self.gather_output = gather_output
+        if input_is_gathered and sequence_parallel:
+            raise ValueError("ColumnParallelLinear: input_is_gathered and sequence_parallel exclude each other "
+                             "(the first means the caller already all-gathered the sequence)")
+        self.gather_output, self.input_is_gathered = gather_output, input_is_gathered
 
     def forward(self, x: Tensor) -> Tensor:
         if self.sequence_parallel:
             x = gather_from_sequence_region(x, self.group, self.seq_dim)
-        else:
+        elif not self.input_is_gathered:
             x = copy_to_region(x, self.group)
         y = F.linear(x, self.weight, self.bias)
         return gather_from_region(y, self.group, -1) if self.gather_output else y

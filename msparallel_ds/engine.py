@@ -1,0 +1,239 @@
+"""msp.initialize(model, cfg, optimizer=...) -> Engine: one training entry over DeepSpeed ZeRO with our mpu.
+
+    engine = msp.initialize(model, "run.yaml", optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
+    loss = engine.train_batch(batch)   # this dp rank's share of one global step: [global_batch/dp, S] tensors
+
+What train_batch does, and why:
+- The batch splits into gradient_accumulation_steps micro-batches of train_micro_batch_size_per_gpu rows
+  (runner_config.batch_size x micro_batch_interleave_num: the copies run inside one forward).
+- The loss is the token mean over the GLOBAL batch (HF's loss with num_items_in_batch, Megatron's per-token loss):
+  every rank back-propagates sum(its token losses) x dp / N, N = valid tokens of the global batch. DeepSpeed sums
+  gradients over dp x cp and divides by dp, so the update is exactly d(sum over all tokens / N) whatever the
+  micro-batches, cp shards or ignored labels (a mean of per-micro-batch means would weigh tokens unequally).
+  DeepSpeed's own 1/gas scaling is switched off for that reason (scale_wrt_gas=False).
+- cp > 1: each micro-batch is sharded with context_parallel.batch.shard_batch (labels shifted before the split,
+  global position_ids, doc_ids for packed rows). tp ranks of one dp rank must be fed the same batch.
+- The returned loss is the global-batch mean on every rank (sum all-reduced over dp x cp; tp peers agree).
+
+Precision follows the YAML (bf16/fp16 through DeepSpeed) on GPU; on CPU the run is fp32 (a warning says so).
+The optimizer is a torch optimizer: a callable params -> Optimizer (recommended, it sees the sharded
+parameters), an Optimizer built on the parallelized model, or None for the YAML's optimizer section as
+torch.optim.AdamW (DeepSpeed's fused optimizers would need a C++/CUDA build).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["Engine", "initialize"]
+
+IGNORE_INDEX = -100
+OptimizerArg = Union[None, torch.optim.Optimizer, Callable[[list], torch.optim.Optimizer]]
+
+
+def _ensure_distributed(timeout_s: Optional[float]) -> None:
+    """Under torchrun / the deepspeed launcher / accelerate launch the env holds RANK etc.; start the default
+    group with the device's backend if the script has not (gloo on CPU, where DeepSpeed would pick none)."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+    import deepspeed
+    from datetime import timedelta
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    deepspeed.init_distributed(dist_backend=backend, **kwargs)
+
+
+def _device(layout) -> torch.device:
+    if layout.device_type == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device(layout.device_type)
+
+
+def _torch_optimizer(plan) -> Callable[[list], torch.optim.Optimizer]:
+    spec = plan.optimizer
+    if not spec:
+        raise ValueError("msp.initialize: no optimizer given and the YAML has no `optimizer:` section; pass "
+                         "optimizer=lambda params: torch.optim.AdamW(params, lr=...)")
+    if spec["type"] != "AdamW":
+        raise ValueError(f"optimizer.type={spec.get('mindformers_type', spec['type'])!r}: only AdamW maps to a "
+                         "torch optimizer here; pass optimizer=lambda params: ... to msp.initialize")
+    params = dict(spec["params"])
+    params["betas"] = tuple(params.get("betas", (0.9, 0.999)))
+    return lambda p: torch.optim.AdamW(p, **params)
+
+
+def _deepspeed_config(plan, layout, *, overrides: Optional[Mapping]) -> dict:
+    ds = plan.to_deepspeed()
+    ds.pop("optimizer", None)  # always a torch optimizer (DeepSpeed's fused ones need a native build)
+    if layout.device_type != "cuda":
+        for key in ("bf16", "fp16"):
+            if ds.pop(key, None):
+                warnings.warn(f"model.model_config.compute_dtype={plan.config.model.compute_dtype}: running in "
+                              "float32 on CPU (DeepSpeed's half-precision paths need an accelerator)", stacklevel=3)
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stage == 3 and (layout.size("tp") > 1 or layout.size("cp") > 1):
+        raise ValueError("parallel.enable_parallel_optimizer with optimizer_level: level3 (ZeRO-3) does not compose "
+                         f"with model_parallel={layout.size('tp')} / context_parallel={layout.size('cp')} here: "
+                         "ZeRO-3's parameter gathering bypasses the tensor-parallel layers' own collectives. Use "
+                         "level1 or level2 (ZeRO-1/2) with tp/cp, or level3 with data parallel only")
+    ds.update(overrides or {})
+    return ds
+
+
+def _disable_inference_shm_build() -> None:
+    """On CPU deepspeed.initialize would JIT-compile its shm all-reduce op (about a minute); that op only serves
+    inference_all_reduce, never training. deepspeed.ops keeps this dict as its cache of op availability."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+class Engine:
+    """The parallel model, its DeepSpeed engine and layout. Build with msp.initialize."""
+
+    def __init__(self, ds_engine, layout, plan, lr_scheduler=None):
+        self.ds, self.layout, self.plan = ds_engine, layout, plan
+        self.optimizer, self.lr_scheduler = ds_engine.optimizer, lr_scheduler
+        self.micro_batch_size = ds_engine.train_micro_batch_size_per_gpu()
+        self.gradient_accumulation_steps = ds_engine.gradient_accumulation_steps()
+        self.global_steps = 0
+
+    @property
+    def model(self) -> nn.Module:
+        return self.ds.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.ds.device
+
+    # ------------------------------------------------------------------------------------------ batches
+    def _check_batch(self, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
+        ids = batch.get("input_ids")
+        if ids is None or ids.dim() != 2:
+            raise ValueError("train_batch needs batch['input_ids'] of shape [rows, seq] (this dp rank's share of the "
+                             "global batch)")
+        rows = self.micro_batch_size * self.gradient_accumulation_steps
+        if ids.shape[0] != rows:
+            raise ValueError(
+                f"train_batch got {ids.shape[0]} rows; this dp rank's share of a global step is {rows} = "
+                f"runner_config.batch_size x micro_batch_interleave_num ({self.micro_batch_size}) x "
+                f"gradient accumulation ({self.gradient_accumulation_steps}: runner_config.gradient_accumulation_steps"
+                f", or micro_batch_num with pipeline_stage > 1); global batch {self.plan.global_batch_size} / "
+                f"data_parallel {self.layout.size('dp')}")
+        labels = batch.get("labels", ids)
+        if labels.shape != ids.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(ids.shape)}")
+        return ids, labels
+
+    def _micro_inputs(self, batch: Mapping[str, Any], rows: slice) -> tuple[dict, Tensor]:
+        from .context_parallel.batch import shard_batch, shift_labels
+
+        micro = {k: (v[rows] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == len(batch["input_ids"])
+                     else v) for k, v in batch.items()}
+        micro.setdefault("labels", micro["input_ids"])
+        micro = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in micro.items()}
+        if self.layout.size("cp") > 1:
+            inputs = shard_batch(micro, self.layout)
+            targets = inputs.pop("shift_labels")
+        else:
+            targets = shift_labels(micro.pop("labels"))
+            micro.pop("shift_labels", None)
+            inputs = micro
+        inputs.pop("labels", None)
+        return inputs, targets
+
+    def _token_loss_sum(self, logits: Tensor, targets: Tensor) -> Tensor:
+        head = getattr(self.model, "lm_head", None)
+        if getattr(head, "tp", 1) > 1 and hasattr(head, "gather_logits"):  # vocab-parallel: logits [..., V/tp]
+            from .tensor_parallel.vocab import vocab_parallel_cross_entropy
+
+            return vocab_parallel_cross_entropy(logits, targets, head.group, IGNORE_INDEX, "sum")
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+
+    def train_batch(self, batch: Mapping[str, Any]) -> Tensor:
+        """One optimizer step on this dp rank's share of the global batch; returns the global-batch mean loss
+        (detached, float32) on every rank."""
+        from .context_parallel.batch import shift_labels
+
+        ids, labels = self._check_batch(batch)
+        dp = self.layout.size("dp")
+        count = (shift_labels(labels) != IGNORE_INDEX).sum().to(torch.float32).to(self.device)
+        if dp > 1:  # tp and cp peers of a dp rank hold the same rows: count over dp only
+            dist.all_reduce(count, group=self.layout.group("dp"))
+        n_tokens = count.clamp_min(1.0)
+        self.model.train()
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for m in range(self.gradient_accumulation_steps):
+            rows = slice(m * self.micro_batch_size, (m + 1) * self.micro_batch_size)
+            inputs, targets = self._micro_inputs(batch, rows)
+            out = self.ds(**inputs, use_cache=False)
+            logits = out.logits if hasattr(out, "logits") else out[0]
+            loss_sum = self._token_loss_sum(logits, targets)
+            self.ds.backward(loss_sum * (dp / n_tokens), scale_wrt_gas=False)
+            self.ds.step()
+            total += loss_sum.detach().float()
+        if self.layout.size("dp_cp") > 1:
+            dist.all_reduce(total, group=self.layout.group("dp_cp"))
+        self.global_steps += 1
+        return total / n_tokens
+
+    # ------------------------------------------------------------------------------------------ weights
+    def save_pretrained(self, save_dir: str, **hf_kwargs) -> None:
+        """A normal HF checkpoint of the full (gathered) model, written by global rank 0; every rank must call."""
+        from .weights import save_pretrained
+
+        save_pretrained(self.model, self.layout, save_dir, **hf_kwargs)
+
+    def save(self, save_dir: str, tag: Optional[str] = None) -> None:
+        """DeepSpeed checkpoint (model, optimizer, scheduler, step) for resuming under the same layout."""
+        self.ds.save_checkpoint(save_dir, tag=tag, client_state={"msp_global_steps": self.global_steps})
+
+    def load(self, load_dir: str, tag: Optional[str] = None) -> None:
+        _, client = self.ds.load_checkpoint(load_dir, tag=tag)
+        if client is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint found in {load_dir!r} (tag={tag!r})")
+        self.global_steps = client.get("msp_global_steps", 0)
+
+
+def initialize(model: nn.Module, cfg, optimizer: OptimizerArg = None, *, layout=None, lr_scheduler=None,
+               deepspeed_config: Optional[Mapping[str, Any]] = None, timeout_s: Optional[float] = None) -> Engine:
+    """Parallelize `model` for the YAML `cfg` (path, dict, YAML text or ParallelConfig) and wrap it in DeepSpeed
+    with our mpu. Starts torch.distributed from the launcher's environment if the script has not.
+    `deepspeed_config` entries override the plan's DeepSpeed config (e.g. {"steps_per_print": 10})."""
+    import deepspeed
+
+    from .config import ParallelConfig, load_config
+    from .distributed.layout import init_parallel
+    from .parallelize import parallelize
+
+    cfg = cfg if isinstance(cfg, ParallelConfig) else load_config(cfg)
+    _ensure_distributed(timeout_s)
+    layout = init_parallel(cfg) if layout is None else layout
+    plan = layout.plan
+    if layout.size("pp") > 1:
+        raise ValueError(f"parallel_config.pipeline_stage={layout.size('pp')}: the pipeline engine is not available "
+                         "yet; set pipeline_stage: 1")
+    model = parallelize(model, layout)
+    model.to(_device(layout))
+    if layout.device_type != "cuda":
+        _disable_inference_shm_build()
+    ds_config = _deepspeed_config(plan, layout, overrides=deepspeed_config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        opt = optimizer
+    else:
+        opt = (optimizer or _torch_optimizer(plan))(params)
+    ds_engine, _, _, sched = deepspeed.initialize(model=model, optimizer=opt, model_parameters=params,
+                                                   config=ds_config, mpu=layout.mpu(), lr_scheduler=lr_scheduler)
+    return Engine(ds_engine, layout, plan, sched)

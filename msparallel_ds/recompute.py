@@ -1,0 +1,122 @@
+"""Activation recompute from MindFormers' `recompute_config` (through Plan.recompute) on a HF decoder.
+
+| recompute_config                          | here                                                            |
+|-------------------------------------------|-----------------------------------------------------------------|
+| recompute: true                           | every decoder layer is checkpointed                             |
+| recompute: [n0, n1, ...] (per stage)      | the first n_i layers of stage i (this rank's stage)             |
+| select_recompute / select_comm_recompute  | only the submodules the patterns name, in every layer or in the |
+|   (patterns, optionally per-stage counts) | first n_i layers                                                |
+
+Patterns are MindFormers regexes over cell names (`feed_forward\\.mul`, `.*\\.norm`, `attention\\.wq`). MindSpore
+recomputes single operators; PyTorch checkpoints modules, so a trailing operator name (mul, silu, reshape, ...) is
+dropped and the pattern selects the module that runs it, matched against the HF name and MindFormers' name of each
+submodule of a layer (feed_forward = mlp, attention = self_attn, w1/w3/w2 = gate/up/down_proj, ...).
+
+Checkpointing wraps the module's `forward` (torch.utils.checkpoint, non-reentrant), so parameter names and HF
+checkpoints are unchanged and pre-hooks (e.g. the sequence-parallel split) run outside the recomputed region.
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["apply_recompute", "checkpoint_module", "select_modules"]
+
+# MindFormers (Llama/Qwen cell names) -> HF Llama-family submodule names inside one decoder layer
+_MINDFORMERS_NAMES = {
+    "self_attn": ["attention"], "mlp": ["feed_forward"],
+    "input_layernorm": ["attention_norm", "attention_norm.norm"],
+    "post_attention_layernorm": ["ffn_norm", "ffn_norm.norm"],
+    "self_attn.q_proj": ["attention.wq", "attention.w_qkv"], "self_attn.k_proj": ["attention.wk", "attention.w_qkv"],
+    "self_attn.v_proj": ["attention.wv", "attention.w_qkv"], "self_attn.o_proj": ["attention.wo"],
+    "self_attn.q_norm": ["attention.q_norm"], "self_attn.k_norm": ["attention.k_norm"],
+    "mlp.gate_proj": ["feed_forward.w1", "feed_forward.w_gate_hidden"],
+    "mlp.up_proj": ["feed_forward.w3", "feed_forward.w_gate_hidden"], "mlp.down_proj": ["feed_forward.w2"],
+    "mlp.act_fn": ["feed_forward.w1.activation", "feed_forward.activate", "feed_forward.w1.activation.silu"],
+}
+# MindSpore primitive names that end a select pattern (an operator, not a cell)
+_OPS = {"mul", "add", "silu", "gelu", "reshape", "cast", "matmul", "batchmatmul", "bmm", "transpose", "softmax",
+        "merger_head_transpose", "activation", "activate", "tile", "concat", "split", "sum", "square", "rsqrt", "norm"}
+
+
+def checkpoint_module(module: nn.Module) -> nn.Module:
+    """Recompute `module`'s forward in backward instead of storing its activations (idempotent)."""
+    if getattr(module, "_msp_recompute", False):
+        return module
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        if not module.training:
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+    module._msp_recompute = True
+    return module
+
+
+def _module_regex(pattern: str) -> re.Pattern:
+    parts = pattern.split(r"\.")
+    if len(parts) > 1 and parts[-1] in _OPS and parts[-1] != "norm":
+        parts = parts[:-1]  # `feed_forward\.mul`: the mul runs in feed_forward
+    return re.compile(r"\.".join(parts))
+
+
+def select_modules(layer: nn.Module, pattern: str) -> list[str]:
+    """Names (relative to `layer`) of the submodules a MindFormers select pattern names; outermost only."""
+    rx = _module_regex(pattern)
+    hits = []
+    for name, _ in layer.named_modules():
+        if not name:
+            continue
+        names = [name, *_MINDFORMERS_NAMES.get(name, [])]
+        if any(rx.fullmatch(n) for n in names):
+            hits.append(name)
+    return [h for h in hits if not any(h.startswith(o + ".") for o in hits)]
+
+
+def _count(value, stage: int, chunk: int = 0):
+    """'all' -> None (every layer), [vpp][pp] counts -> this stage's count."""
+    if value == "all":
+        return None
+    return value[chunk][stage] if value and isinstance(value[0], list) else value[stage]
+
+
+def apply_recompute(model: nn.Module, recompute, *, layers: nn.ModuleList | None = None, stage: int = 0,
+                    chunk: int = 0) -> dict[str, list[str]]:
+    """Checkpoint what `recompute` (a Plan.recompute) asks for in `layers` (default: the HF decoder layers) of
+    pipeline stage `stage`. Returns {layer index: [recomputed submodule names]} ('' = the whole layer)."""
+    if recompute is None or recompute.mode == "none":
+        return {}
+    layers = model.get_submodule(model.base_model_prefix).layers if layers is None else layers
+    done: dict[str, list[str]] = {}
+    if recompute.mode in ("full", "layers"):
+        n = len(layers) if recompute.mode == "full" else _count(recompute.layers, stage, chunk)
+        for i, layer in enumerate(layers):
+            if i < n:
+                checkpoint_module(layer)
+                done[str(i)] = [""]
+    for key, patterns in (("recompute_config.select_recompute", recompute.select),
+                          ("recompute_config.select_comm_recompute", recompute.select_comm)):
+        for pattern, value in patterns.items():
+            n = _count(value, stage, chunk)
+            n = len(layers) if n is None else n
+            if n and not select_modules(layers[0], pattern):
+                names = ", ".join(name for name, _ in layers[0].named_modules() if name)
+                raise ValueError(f"{key}: pattern {pattern!r} names no submodule of a "
+                                 f"{type(layers[0]).__name__} (modules: {names}; MindFormers names such as "
+                                 f"feed_forward, attention, w1/w2/w3 are understood); fix or drop the pattern")
+            for i, layer in enumerate(layers):
+                if i >= n:
+                    continue
+                for name in select_modules(layer, pattern):
+                    have = done.setdefault(str(i), [])
+                    if any(d == "" or name == d or name.startswith(d + ".") for d in have):
+                        continue  # already inside a recomputed module
+                    checkpoint_module(layer.get_submodule(name))
+                    have.append(name)
+    return done

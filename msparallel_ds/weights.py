@@ -1,0 +1,262 @@
+"""HF checkpoints in and out of a tensor-parallel model: gather to save, read only this rank's slices to load.
+
+    full  = gather_full_state_dict(model, layout)          # HF-keyed, CPU; None off global rank 0
+    save_pretrained(model, layout, "out/")                 # a plain HF checkpoint (AutoModel.from_pretrained loads it)
+    model = from_pretrained("out/", layout, parallelize_fn=lambda m, lay: tp_parallelize(m, lay, vocab_parallel=True))
+
+Parameter names are the HF model's (tp layers keep nn.Linear/nn.Embedding names), so checkpoint keys map 1:1.
+A tp-sharded parameter carries Megatron's attributes (tensor_model_parallel, partition_dim); tp rank r of T holds
+`full.chunk(T, partition_dim)[r]`. Everything else is a full replica. Loading builds the model on the meta device,
+parallelizes it, then reads each rank's slice with safetensors' get_slice, so no rank materializes the full model.
+Pipeline stages (pp > 1) are not handled here yet.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from contextlib import ExitStack
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .tensor_parallel.comm import all_gather_along
+
+__all__ = ["from_pretrained", "gather_full_state_dict", "load_sharded_checkpoint", "save_pretrained"]
+
+_SAFE_FILE, _SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
+_BIN_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+_ATTN_KEYS = ("attn_implementation", "_attn_implementation", "_attn_implementation_internal")
+
+
+def _sharded(p: Tensor) -> bool:
+    return bool(getattr(p, "tensor_model_parallel", False))
+
+
+def _check_no_pipeline(layout, what: str) -> None:
+    if layout.size("pp") > 1:
+        raise NotImplementedError(f"{what} with pipeline stages (pp={layout.size('pp')}) is not implemented: "
+                                  f"a stage holds only its own layers")
+
+
+# ---------------------------------------------------------------------------------------------- gather / save
+def gather_full_state_dict(model: nn.Module, layout, *, rank0_only: bool = True) -> dict[str, Tensor] | None:
+    """model.state_dict() with every tp-sharded tensor all-gathered along its partition_dim: detached, contiguous,
+    on CPU. Tied keys share one tensor, as in the unsharded state dict (HF drops the alias when saving).
+    rank0_only: other ranks return None; only the tp group holding global rank 0 gathers."""
+    _check_no_pipeline(layout, "gather_full_state_dict")
+    keep = not rank0_only or layout.global_rank == 0
+    if not keep and 0 not in layout.ranks("tp"):
+        return None  # no rank of this tp group keeps anything: skip the collectives
+    group, full, done = layout.group("tp"), {}, {}
+    for key, value in model.state_dict(keep_vars=True).items():  # keep_vars: the Parameters, with their attributes
+        if id(value) not in done:  # a tied tensor is gathered once (every rank walks the same order)
+            t = value.detach()
+            if _sharded(value):
+                t = all_gather_along(t, group, value.partition_dim)
+            done[id(value)] = t.to("cpu").contiguous() if keep else None
+        full[key] = done[id(value)]
+    return full if keep else None
+
+
+def _clean_saved_config(save_dir: str, total_parameters: int) -> None:
+    """The saved config is the architecture's own: a plain process cannot load a custom attention name (e.g. our
+    context-parallel "msparallel_cp"). HF's index counts this rank's shards as total_parameters: fix it."""
+    path = os.path.join(save_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    if any(k in config for k in _ATTN_KEYS):
+        with open(path, "w") as f:
+            f.write(json.dumps({k: v for k, v in config.items() if k not in _ATTN_KEYS}, indent=2, sort_keys=True)
+                    + "\n")
+    index = os.path.join(save_dir, _SAFE_INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            data = json.load(f)
+        data["metadata"]["total_parameters"] = total_parameters
+        with open(index, "w") as f:
+            f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def save_pretrained(model: nn.Module, layout, save_dir: str | os.PathLike, **hf_kwargs) -> None:
+    """Write a plain HF checkpoint (safetensors, config, generation config) of a tp-parallel model; call on every
+    rank. Global rank 0 writes with HF's own model.save_pretrained; every rank returns once the files exist."""
+    full = gather_full_state_dict(model, layout)
+    if layout.global_rank == 0:
+        save_dir = os.fspath(save_dir)
+        total = sum(t.numel() for t in {id(t): t for t in full.values()}.values())  # HF empties `full` as it writes
+        model.save_pretrained(save_dir, state_dict=full, is_main_process=True, **hf_kwargs)
+        _clean_saved_config(save_dir, total)
+    dist.barrier()
+
+
+# ---------------------------------------------------------------------------------------------- load
+def _weight_files(checkpoint_dir: str) -> dict[str, str]:
+    """checkpoint key -> safetensors file path."""
+    index, single = os.path.join(checkpoint_dir, _SAFE_INDEX), os.path.join(checkpoint_dir, _SAFE_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            return {k: os.path.join(checkpoint_dir, v) for k, v in json.load(f)["weight_map"].items()}
+    if os.path.exists(single):
+        from safetensors import safe_open
+
+        with safe_open(single, "pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    if any(os.path.exists(os.path.join(checkpoint_dir, b)) for b in _BIN_FILES):
+        raise ValueError(f"{checkpoint_dir} holds a .bin (pickle) checkpoint; only safetensors can be read by slice. "
+                         f"Convert it once: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir)")
+    raise FileNotFoundError(f"no {_SAFE_FILE} or {_SAFE_INDEX} in {checkpoint_dir}")
+
+
+def _default_device(layout) -> torch.device:
+    if layout.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(layout.device_type, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _read(handle, key: str, p: Tensor, tp: int, tp_rank: int) -> Tensor:
+    """This rank's part of checkpoint tensor `key` for parameter/buffer `p` (its local shape), shape-checked."""
+    sl = handle.get_slice(key)
+    shape = tuple(sl.get_shape())
+    local = tuple(p.shape)
+    if not _sharded(p):
+        if shape != local:
+            raise ValueError(f"checkpoint tensor {key!r} has shape {shape} but the model expects {local} "
+                             f"(replicated on every tp rank)")
+        return handle.get_tensor(key)
+    dim = p.partition_dim
+    full = local[:dim] + (local[dim] * tp,) + local[dim + 1:]
+    if shape != full:
+        raise ValueError(f"checkpoint tensor {key!r} has shape {shape} but this tp rank's shard {local} (dim {dim} "
+                         f"split over tp={tp}) needs a full shape of {full}")
+    index = [slice(None)] * len(shape)
+    index[dim] = slice(tp_rank * local[dim], (tp_rank + 1) * local[dim])
+    return sl[tuple(index)]
+
+
+def _new_param(old: nn.Parameter, data: Tensor) -> nn.Parameter:
+    """A real Parameter takes the data in place (same object: optimizers and hooks keep it). A meta one cannot
+    (set_data rejects meta -> real), so a new Parameter carries over what tp_parallelize put on the old one:
+    Megatron attributes, requires_grad, and grad hooks (replicated_with_grad_allreduce's all-reduce)."""
+    if not old.is_meta:
+        old.data = data
+        return old
+    new = nn.Parameter(data, requires_grad=old.requires_grad)
+    new.__dict__.update(old.__dict__)
+    if old._backward_hooks:
+        new._backward_hooks = old._backward_hooks
+    return new
+
+
+def _set_tensor(model: nn.Module, name: str, value: Tensor) -> None:
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner)
+    (module._parameters if attr in module._parameters else module._buffers)[attr] = value
+
+
+def _named_tensors(model: nn.Module) -> tuple[dict[int, list[str]], dict[int, Tensor], set[str]]:
+    """Parameters and persistent buffers grouped by identity (tied names together), and non-persistent names."""
+    names, tensors, transient = {}, {}, set()
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        prefix = mod_name + "." if mod_name else ""
+        items = list(module._parameters.items()) + [(n, b) for n, b in module._buffers.items()
+                                                     if n not in module._non_persistent_buffers_set]
+        transient.update(prefix + n for n in module._non_persistent_buffers_set)
+        for attr, t in items:
+            if t is not None:
+                names.setdefault(id(t), []).append(prefix + attr)
+                tensors[id(t)] = t
+    return names, tensors, transient
+
+
+def _tie_output_embedding(model: nn.Module, missing: list[str]) -> list[str]:
+    """A checkpoint of a tied model has no lm_head.weight: point the output embedding at the input's Parameter."""
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    config = getattr(model, "config", None)
+    if out is None or inp is None or not getattr(config, "tie_word_embeddings", False):
+        return missing
+    out_name = next((n for n, m in model.named_modules() if m is out), None)
+    key = f"{out_name}.weight"
+    if key in missing and inp.weight.shape == out.weight.shape and _sharded(inp.weight) == _sharded(out.weight):
+        out.weight = inp.weight
+        return [k for k in missing if k != key]
+    return missing
+
+
+def _rebuild_rotary(model: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers are in no checkpoint; on meta they are recomputed: HF rotary embeddings derive
+    inv_freq / original_inv_freq from the config, so a fresh module (built on CPU, fp32 as HF keeps them) supplies
+    them. Other modules' meta buffers are left for the final check to name."""
+    for module in model.modules():
+        meta = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
+        if meta and "Rotary" in type(module).__name__ and hasattr(module, "config"):
+            with torch.device("cpu"):
+                fresh = type(module)(module.config)
+            for n in meta:
+                if fresh._buffers.get(n) is not None:
+                    module._buffers[n] = fresh._buffers[n].to(device)
+
+
+def load_sharded_checkpoint(model: nn.Module, checkpoint_dir: str | os.PathLike, layout, *, strict: bool = True,
+                            dtype: torch.dtype | None = None, device=None) -> nn.Module:
+    """Fill a (tp-parallelized) model, on meta or real, from a HF safetensors checkpoint directory: each tp-sharded
+    tensor reads only this rank's slice along its partition_dim. dtype: cast floating tensors (default: keep the
+    checkpoint's). device: default cpu, or <device_type>:LOCAL_RANK for an accelerator layout. strict: every
+    parameter/persistent buffer must be in the checkpoint and every checkpoint key in the model. Returns model."""
+    from safetensors import safe_open
+
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    device = _default_device(layout) if device is None else torch.device(device)
+    tp, tp_rank = layout.size("tp"), layout.rank("tp")
+    files = _weight_files(checkpoint_dir)
+    names, tensors, transient = _named_tensors(model)
+    missing = []
+    with ExitStack() as stack:
+        handles = {path: stack.enter_context(safe_open(path, "pt")) for path in sorted(set(files.values()))}
+        for ident, tensor_names in names.items():
+            key = next((n for n in tensor_names if n in files), None)
+            if key is None:
+                missing.extend(tensor_names)
+                continue
+            old = tensors[ident]
+            data = _read(handles[files[key]], key, old, tp, tp_rank)
+            # safetensors' tensors are views of the mmapped file (storage = the whole tensor): copy out the shard
+            data = data.to(device=device, dtype=dtype if dtype is not None and data.is_floating_point() else None,
+                           memory_format=torch.contiguous_format, copy=True)
+            new = _new_param(old, data) if isinstance(old, nn.Parameter) else data
+            for n in tensor_names:  # every tied name gets the same new tensor
+                _set_tensor(model, n, new)
+    missing = _tie_output_embedding(model, missing)
+    ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    known = {n for group in names.values() for n in group} | transient
+    unexpected = [k for k in files if k not in known and not any(p.search(k) for p in ignore)]
+    if strict and (missing or unexpected):
+        raise ValueError(f"checkpoint {checkpoint_dir} does not match the model: missing keys {missing} (the model's "
+                         f"parameter/buffer names), unexpected keys {unexpected}; pass strict=False to allow it")
+    _rebuild_rotary(model, device)
+    on_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if on_meta:
+        raise RuntimeError(f"after loading {checkpoint_dir}, these tensors are still on the meta device (in no "
+                           f"checkpoint and not recomputable): {on_meta}")
+    return model.to(device)
+
+
+def from_pretrained(checkpoint_dir: str | os.PathLike, layout, *, parallelize_fn, dtype: torch.dtype | None = None,
+                    device=None, model_cls=None, strict: bool = True, **config_overrides) -> nn.Module:
+    """Build the model of a HF checkpoint directory on the meta device, parallelize it with
+    parallelize_fn(model, layout) (None: keep it unsharded), then load this rank's shards; eval mode, like HF.
+    config_overrides go to AutoConfig.from_pretrained (e.g. attn_implementation="eager")."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    config = AutoConfig.from_pretrained(checkpoint_dir, **config_overrides)
+    model_cls = model_cls or AutoModelForCausalLM
+    with torch.device("meta"):  # shapes only: no rank allocates (or initializes) the full model
+        model = model_cls.from_config(config) if hasattr(model_cls, "from_config") else model_cls._from_config(config)
+    if parallelize_fn is not None:
+        model = parallelize_fn(model, layout)
+    load_sharded_checkpoint(model, checkpoint_dir, layout, strict=strict, dtype=dtype, device=device)
+    if os.path.exists(os.path.join(checkpoint_dir, "generation_config.json")) and hasattr(model, "generation_config"):
+        model.generation_config = GenerationConfig.from_pretrained(checkpoint_dir)
+    return model.eval()
