@@ -16,6 +16,18 @@ def init_parallel(cfg_or_plan, **kwargs):
     return _init(cfg_or_plan, **kwargs)
 
 
+def from_pretrained(checkpoint_dir, cfg_or_layout, **kwargs):
+    """A HF causal LM built on the meta device, parallelized for the YAML (or a ParallelLayout) and filled with only
+    this rank's shards of the checkpoint (no rank materializes the full model). kwargs: dtype, device, model_cls."""
+    from .distributed.layout import ParallelLayout
+    from .parallelize import parallelize
+    from .weights import from_pretrained as _load
+
+    layout = cfg_or_layout if isinstance(cfg_or_layout, ParallelLayout) else init_parallel(
+        cfg_or_layout if isinstance(cfg_or_layout, ParallelConfig) else load_config(cfg_or_layout))
+    return _load(checkpoint_dir, layout, parallelize_fn=parallelize, **kwargs)
+
+
 _LAZY = {  # torch-heavy parts load on first use, so `msparallel-ds plan` stays light
     "ParallelLayout": ("distributed.layout", "ParallelLayout"),
     "context_parallel_attention": ("context_parallel.api", "context_parallel_attention"),
@@ -38,5 +50,5 @@ def __getattr__(name):
 
 
 __all__ = ["ConfigError", "ConfigWarning", "Engine", "ParallelConfig", "Plan", "ParallelLayout",
-           "context_parallel_attention", "init_parallel", "initialize", "load_config", "make_plan", "parallelize",
+           "context_parallel_attention", "from_pretrained", "init_parallel", "initialize", "load_config", "make_plan", "parallelize",
            "shard_batch", "shard_sequence", "unshard_sequence"]

@@ -81,11 +81,14 @@ def _deepspeed_config(plan, layout, *, overrides: Optional[Mapping]) -> dict:
                 warnings.warn(f"model.model_config.compute_dtype={plan.config.model.compute_dtype}: running in "
                               "float32 on CPU (DeepSpeed's half-precision paths need an accelerator)", stacklevel=3)
     stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if stage == 3 and (layout.size("tp") > 1 or layout.size("cp") > 1):
-        raise ValueError("parallel.enable_parallel_optimizer with optimizer_level: level3 (ZeRO-3) does not compose "
-                         f"with model_parallel={layout.size('tp')} / context_parallel={layout.size('cp')} here: "
-                         "ZeRO-3's parameter gathering bypasses the tensor-parallel layers' own collectives. Use "
-                         "level1 or level2 (ZeRO-1/2) with tp/cp, or level3 with data parallel only")
+    if stage == 3 and layout.size("tp") * layout.size("cp") > 1:
+        raise ValueError(
+            "parallel.parallel_optimizer_config.optimizer_level=level3 (ZeRO-3) does not compose with "
+            f"parallel_config.model_parallel={layout.size('tp')} / context_parallel={layout.size('cp')} here: ZeRO-3 "
+            "re-partitions the tensor-parallel shards (and their gradient hooks), and DeepSpeed 0.19's ZeRO-3 "
+            "averages gradients over dp x cp inconsistently with a sequence-parallel mpu (measured: wrong updates). "
+            "Use level1 or level2 (ZeRO-1/2) with model_parallel/context_parallel > 1, or level3 with data_parallel "
+            "only")
     ds.update(overrides or {})
     return ds
 
@@ -107,6 +110,10 @@ class Engine:
         self.micro_batch_size = ds_engine.train_micro_batch_size_per_gpu()
         self.gradient_accumulation_steps = ds_engine.gradient_accumulation_steps()
         self.global_steps = 0
+        # DeepSpeed divides the gradient sum over dp x cp by dp (ZeRO 0-2 multiply back the sequence-parallel
+        # size; ZeRO-3 runs with cp = 1 only): the loss is pre-multiplied by it, so the update is d(sum of token
+        # losses) / N.
+        self._grad_divisor = layout.size("dp")
 
     @property
     def model(self) -> nn.Module:
@@ -180,7 +187,7 @@ class Engine:
             out = self.ds(**inputs, use_cache=False)
             logits = out.logits if hasattr(out, "logits") else out[0]
             loss_sum = self._token_loss_sum(logits, targets)
-            self.ds.backward(loss_sum * (dp / n_tokens), scale_wrt_gas=False)
+            self.ds.backward(loss_sum * (self._grad_divisor / n_tokens), scale_wrt_gas=False)
             self.ds.step()
             total += loss_sum.detach().float()
         if self.layout.size("dp_cp") > 1:
@@ -189,11 +196,29 @@ class Engine:
         return total / n_tokens
 
     # ------------------------------------------------------------------------------------------ weights
+    def _zero3_gathered(self):
+        """ZeRO-3 keeps only a partition of each parameter: gather them for the duration (no-op below stage 3)."""
+        from contextlib import nullcontext
+
+        if self.ds.zero_optimization_stage() != 3:
+            return nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None)
+
+    def full_state_dict(self, *, rank0_only: bool = False) -> Optional[dict]:
+        """The HF-keyed full state dict (tp shards and ZeRO-3 partitions gathered), on CPU; every rank must call."""
+        from .weights import gather_full_state_dict
+
+        with self._zero3_gathered():
+            return gather_full_state_dict(self.model, self.layout, rank0_only=rank0_only)
+
     def save_pretrained(self, save_dir: str, **hf_kwargs) -> None:
         """A normal HF checkpoint of the full (gathered) model, written by global rank 0; every rank must call."""
         from .weights import save_pretrained
 
-        save_pretrained(self.model, self.layout, save_dir, **hf_kwargs)
+        with self._zero3_gathered():
+            save_pretrained(self.model, self.layout, save_dir, **hf_kwargs)
 
     def save(self, save_dir: str, tag: Optional[str] = None) -> None:
         """DeepSpeed checkpoint (model, optimizer, scheduler, step) for resuming under the same layout."""
@@ -219,7 +244,8 @@ def initialize(model: nn.Module, cfg, optimizer: OptimizerArg = None, *, layout=
 
     cfg = cfg if isinstance(cfg, ParallelConfig) else load_config(cfg)
     _ensure_distributed(timeout_s)
-    layout = init_parallel(cfg) if layout is None else layout
+    if layout is None:  # a model from msp.from_pretrained / msp.parallelize brings its layout
+        layout = getattr(model, "msp_layout", None) or init_parallel(cfg)
     plan = layout.plan
     if layout.size("pp") > 1:
         raise ValueError(f"parallel_config.pipeline_stage={layout.size('pp')}: the pipeline engine is not available "

@@ -22,7 +22,7 @@ def tiny_config(*, dp=1, tp=1, cp=1, algo="colossalai_cp", ring=False, uly=1, sp
                      "parallel_optimizer_config": {"optimizer_level": f"level{max(zero, 1)}"}},
         "recompute_config": recompute_config,
         "runner_config": {"batch_size": bs, "gradient_accumulation_steps": gas},
-        "runner_wrapper": {"use_clip_grad": clip > 0, "max_grad_norm": clip},
+        "runner_wrapper": {"use_clip_grad": clip > 0, **({"max_grad_norm": clip} if clip else {})},
         "optimizer": {"type": "AdamW", "betas": list(BETAS), "eps": EPS, "weight_decay": 0.0, "learning_rate": LR},
         "model": {"model_config": {"num_layers": 4, "num_heads": 4, "n_kv_heads": 2, "hidden_size": 64,
                                    "seq_length": SEQ, "vocab_size": VOCAB, "use_ring_attention": ring,

@@ -13,31 +13,45 @@ pytestmark = pytest.mark.distributed
 STEPS = 3
 
 LAYOUTS = {  # name -> (tiny_config kwargs, options)
+    "dp4_zero0": (dict(dp=4, zero=0), {}),
     "dp2xtp2_zero1": (dict(dp=2, tp=2, zero=1), {}),
-    "dp2xtp2_sp_vocab_parallel": (dict(dp=2, tp=2, sp=True, vocab_dp=False, clip=0.3), {}),
+    "dp2xtp2_sp_vocab_parallel": (dict(dp=2, tp=2, sp=True, vocab_dp=False, clip=0.3), {"save": True}),
     "tp4_sp_kv_replicated": (dict(tp=4, sp=True, vocab_dp=False, bs=2), {}),
     "tp2xcp2_ring": (dict(tp=2, cp=2, ring=True, sp=True), {}),
     "dp2xcp2_ulysses_zero2_gas2": (dict(dp=2, cp=2, algo="ulysses_cp", zero=2, gas=2), {"ignore_some": True}),
     "cp4_hybrid_u2": (dict(cp=4, algo="hybrid_cp", uly=2, bs=2), {"ignore_some": True}),
+    "dp4_zero3": (dict(dp=4, zero=3), {}),
     "dp2xtp2_sp_recompute_all": (dict(dp=2, tp=2, sp=True, recompute=True), {"yaml_optimizer": True}),
     "dp2xtp2_select_recompute": (dict(dp=2, tp=2, sp=True, recompute=[2],
                                       select={r"feed_forward\.mul": [3]}), {}),
 }
 
 
-def _gather_state(model, layout):
+def _check_hf_round_trip(engine, save_dir):
+    """engine.save_pretrained -> a plain single-process HF model and msp.from_pretrained give the parallel model's
+    logits. Returns the max abs differences (plain, ours)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import msparallel_ds as msp
     from msparallel_ds.tensor_parallel.comm import all_gather_along
 
-    out = {}
-    for name, p in model.state_dict(keep_vars=True).items():
-        t = p.detach()
-        if getattr(p, "tensor_model_parallel", False):
-            t = all_gather_along(t, layout.group("tp"), p.partition_dim)
-        out[name] = t
-    return out
+    engine.save_pretrained(save_dir)
+    ids, _ = global_batch(99, 2)
+    lay = engine.layout
+
+    def logits(model):
+        with torch.no_grad():
+            out = model.eval()(input_ids=ids).logits
+        return all_gather_along(out, lay.group("tp"), -1) if getattr(model.lm_head, "tp", 1) > 1 else out
+
+    ours = logits(engine.model)
+    reloaded = logits(msp.from_pretrained(save_dir, lay))
+    plain = logits(LlamaForCausalLM.from_pretrained(save_dir)) if lay.global_rank == 0 else ours
+    return (plain - ours).abs().max().item(), (reloaded - ours).abs().max().item()
 
 
-def _train(rank, world_size, name):
+def _train(rank, world_size, name, save_dir=None):
     import torch
 
     import msparallel_ds as msp
@@ -53,23 +67,33 @@ def _train(rank, world_size, name):
         layer.mlp.down_proj.register_forward_pre_hook(lambda *a, i=len(calls): calls[i].__setitem__(0, calls[i][0] + 1))
         calls.append([0])
     rows = engine.micro_batch_size * engine.gradient_accumulation_steps
+    try:  # a batch that is not this dp rank's share of a global step: a clear error before any work
+        engine.train_batch({"input_ids": torch.zeros(rows + 1, 8, dtype=torch.long)})
+        bad_batch = None
+    except ValueError as e:
+        bad_batch = str(e)
     dp, d = lay.size("dp"), lay.rank("dp")
     losses = []
     for step in range(STEPS):
         ids, labels = global_batch(step, rows * dp, opts.get("ignore_some", False))
         share = slice(d * rows, (d + 1) * rows)
         losses.append(engine.train_batch({"input_ids": ids[share], "labels": labels[share]}).item())
-    state = _gather_state(model, lay)
+    state = engine.full_state_dict()
+    calls_per_micro = [c[0] / (STEPS * engine.gradient_accumulation_steps) for c in calls]
+    round_trip = _check_hf_round_trip(engine, save_dir) if save_dir else None
     ref_losses, ref_state, clipped = reference_run(STEPS, rows * dp, clip=yaml.get("clip", 1.0),
                                                    ignore_some=opts.get("ignore_some", False))
     return {
         "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+        "losses": losses, "ref_losses": ref_losses,
         "weights": max((state[k] - v).abs().max().item() for k, v in ref_state.items()),
         "same_keys": set(state) == set(ref_state),
         "moved": max((tiny_model().state_dict()[k] - v).abs().max().item() for k, v in ref_state.items()),
         "clipped": clipped,
+        "round_trip": round_trip,
+        "bad_batch": bad_batch,
         "recompute": model.msp_recompute,
-        "calls_per_micro": [c[0] / (STEPS * engine.gradient_accumulation_steps) for c in calls],
+        "calls_per_micro": calls_per_micro,
         "sizes": {n: lay.size(n) for n in ("dp", "tp", "cp", "cp_ring", "cp_ulysses")},
         "zero": engine.ds.zero_optimization_stage(),
         "sp_norm_grad_hooked": (all(getattr(p, "tp_grad_allreduce", False)
@@ -79,11 +103,12 @@ def _train(rank, world_size, name):
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_engine_matches_single_process(name):
+def test_engine_matches_single_process(name, tmp_path):
     yaml, opts = LAYOUTS[name]
-    results = run_distributed(_train, 4, name, timeout=300)
+    results = run_distributed(_train, 4, name, str(tmp_path / "hf") if opts.get("save") else None, timeout=300)
     for rank, r in enumerate(results):
         assert r["same_keys"], (rank, r)
+        assert "runner_config.batch_size" in r["bad_batch"], r["bad_batch"]
         assert r["loss_rel"] <= 1e-4, (name, rank, r)
         assert r["weights"] <= 5e-5, (name, rank, r)  # Adam moved them by r["moved"] (~3e-3)
         assert r["moved"] > 1e-3
@@ -92,6 +117,8 @@ def test_engine_matches_single_process(name):
         assert r["zero"] == yaml.get("zero", 1)
         if yaml.get("sp"):
             assert r["sp_norm_grad_hooked"], (rank, r)
+        if opts.get("save"):  # the HF checkpoint of a tp2 run: plain HF and msp.from_pretrained give our logits
+            assert max(r["round_trip"]) <= 1e-6, (rank, r["round_trip"])  # fp32 rounding: tp sums in another order
     r = results[0]
     if name == "dp2xtp2_sp_vocab_parallel":
         assert r["clipped"] == STEPS  # clipping at 0.3 was active: the norm is the true global one
@@ -106,6 +133,20 @@ def test_engine_matches_single_process(name):
         assert r["calls_per_micro"] == [2, 2, 2, 1]
     else:
         assert r["recompute"] == {} and r["calls_per_micro"] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("mesh", [dict(tp=2, dp=2), dict(cp=2, dp=2, ring=True)])
+def test_zero3_with_tp_or_cp_is_a_clear_error(mesh):
+    from types import SimpleNamespace
+
+    import msparallel_ds as msp
+    from msparallel_ds.engine import _deepspeed_config
+
+    plan = msp.make_plan(msp.load_config(tiny_config(zero=3, **mesh)), world_size=4)
+    sizes = {"tp": mesh.get("tp", 1), "cp": mesh.get("cp", 1)}
+    layout = SimpleNamespace(size=lambda n: sizes.get(n, 1), device_type="cpu")
+    with pytest.raises(ValueError, match="optimizer_level=level3 .ZeRO-3. does not compose with .*model_parallel="):
+        _deepspeed_config(plan, layout, overrides=None)
 
 
 def test_reference_is_sensitive_to_the_loss_mean():

@@ -12,6 +12,10 @@ Backends (picked per device/dtype, forced with `backend=` or MSPARALLEL_ATTN_BAC
   the fused kernels in ops/ remove that rounding).
 - math: plain PyTorch matmuls with an explicit lse, any device/dtype, and the only one taking an arbitrary mask
   (the CPU flash op returns a wrong lse when given attn_mask).
+- cuda_fused: our CUDA kernels (ops/, msparallel_ds.ops): fp16/bf16 on sm_80+, head dim 64/128 (others fall back
+  to cuda_flash / cuda_efficient inside the backend); block outputs come back in fp32. Opt-in until the kernels
+  have been verified on a GPU: force it by name (backend= or MSPARALLEL_ATTN_BACKEND=cuda_fused), which builds it
+  on first use. When the extension is loaded, `merge` runs as one fused CUDA kernel. Never on CPU.
 """
 from __future__ import annotations
 
@@ -133,6 +137,49 @@ def _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     return dq, dk, dv
 
 
+# ---------------------------------------------------------------------------------------------- fused cuda (ops/)
+# Guarded: nothing below runs (or imports msparallel_ds.ops' CUDA side) unless the device is CUDA.
+def _fused_forward(q, k, v, causal, scale, mask=None):
+    from ..ops import attention as fa
+
+    if not fa.supports(q, k):  # head dim, dtype or GPU the step kernel does not cover
+        return _cuda_flash_forward(q, k, v, causal, scale)
+    state = fa.new_state(q)
+    fa.forward_step(q, k, v, state, fa.Mode.CAUSAL if causal else fa.Mode.FULL, scale)
+    return fa.finalize(state, torch.float32)  # fp32: no rounding before the merge
+
+
+def _fused_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
+    from ..ops import attention as fa
+
+    if not fa.supports(q, k):
+        return _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale)
+    delta = fa.backward_preprocess(out.to(q.dtype), dout)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk, dv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
+    fa.backward_step(dout, q, k, v, lse, delta, dq, dk, dv, fa.Mode.CAUSAL if causal else fa.Mode.FULL, scale)
+    return dq, dk, dv
+
+
+def _fused_supports(dev: torch.device, dt: torch.dtype, has_mask: bool) -> bool:
+    if dev.type != "cuda" or dt not in (torch.float16, torch.bfloat16) or has_mask:
+        return False
+    from .. import ops
+
+    return ops.unavailable_reason(device=dev) is None
+
+
+def _fused_merge(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> Tensor | None:
+    """The new lse from the one-pass CUDA merge (acc_out updated in place), or None where it does not apply."""
+    from .. import ops
+
+    if ops.loaded() is None:
+        return None
+    from ..ops import attention as fa
+
+    return fa.merge_(acc_out, acc_lse, out, lse) if fa.can_merge(acc_out, acc_lse, out, lse) else None
+
+
 BACKENDS: dict[str, Backend] = {
     "cpu_flash": Backend("cpu_flash", _cpu_flash_forward, _cpu_flash_backward,
                          lambda dev, dt, m: dev.type == "cpu" and not m),
@@ -141,8 +188,9 @@ BACKENDS: dict[str, Backend] = {
     "cuda_efficient": Backend("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward,
                               lambda dev, dt, m: dev.type == "cuda" and dt != torch.float64 and not m),
     "math": Backend("math", _math_forward, _math_backward, lambda dev, dt, m: True),
+    "cuda_fused": Backend("cuda_fused", _fused_forward, _fused_backward, _fused_supports),
 }
-PREFERENCE = ("cuda_flash", "cuda_efficient", "cpu_flash", "math")
+PREFERENCE = ("cuda_flash", "cuda_efficient", "cpu_flash", "math")  # cuda_fused: opt-in (not yet GPU-verified)
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, *, has_mask: bool = False,
@@ -156,6 +204,10 @@ def select_backend(device: torch.device, dtype: torch.dtype, *, has_mask: bool =
         if not backend.supports(device, dtype, has_mask):
             raise ValueError(f"attention backend {forced!r} cannot run {dtype} on {device.type}"
                              + (" with a mask" if has_mask else "") + f"; use one of {sorted(BACKENDS)} or unset it")
+        if forced == "cuda_fused":  # build (first use) or load now: a clear OpsUnavailable instead of a late failure
+            from .. import ops
+
+            ops.load()
         return backend
     for candidate in PREFERENCE:
         if BACKENDS[candidate].supports(device, dtype, has_mask):
@@ -181,6 +233,10 @@ def merge(acc_out: Optional[Tensor], acc_lse: Optional[Tensor], out: Tensor,
     """Fold a block's (out, lse) into the running fp32 state: lse = logaddexp, out weighted by exp(lse_i - lse).
     acc_out is updated in place (and returned); acc_lse is replaced."""
     acc_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
+    if acc_out is not None and acc_out.is_cuda and acc_dtype == torch.float32:  # one-pass CUDA merge (ops/merge.cu)
+        new_lse = _fused_merge(acc_out, acc_lse, out, lse)
+        if new_lse is not None:
+            return acc_out, new_lse
     out, lse = out.to(acc_dtype), lse.to(acc_dtype)
     if acc_out is None:  # block outputs are fresh tensors: the first one becomes the accumulator
         return out, lse
