@@ -1,4 +1,4 @@
-"""msparallel-ds: plan, export and validate MindFormers parallel configs.
+"""msparallel-ds: plan, export and validate MindFormers parallel configs; `demo` trains one for real.
 
 Exit codes: 0 success, 2 configuration error (message only), 1 internal error.
 """
@@ -28,6 +28,12 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--to", choices=("deepspeed", "accelerate"), required=True)
     e.add_argument("--world-size", type=int, default=None)
     e.add_argument("-o", "--output", default=None, help="write here instead of stdout")
+    d = sub.add_parser("demo", help="train a tiny Llama on several CPU processes under a MindFormers YAML and check "
+                                     "the losses against one process")
+    d.add_argument("--config", default=None, help="MindFormers YAML (default: the bundled dp2 x tp2+SP x cp2 demo)")
+    d.add_argument("--nproc", type=int, default=None, help="processes (default: the YAML's world size)")
+    d.add_argument("--steps", type=int, default=10)
+    d.add_argument("--timeout", type=float, default=300, help="seconds before a stuck run is stopped")
     v = sub.add_parser("validate", help="check one or more YAMLs; one line per file")
     v.add_argument("files", nargs="+")
     v.add_argument("--world-size", type=int, default=None)
@@ -66,6 +72,17 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    if args.steps < 1:
+        print("error: --steps must be >= 1", file=sys.stderr)
+        return 2
+    result = run_demo(args.config, args.nproc, args.steps, timeout=args.timeout,
+                      echo=lambda line: print(line, flush=True))
+    return 0 if result["finite"] else 1
+
+
 def _cmd_validate(args) -> int:
     worst = 0
     for f in args.files:
@@ -83,7 +100,7 @@ def _cmd_validate(args) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    handler = {"plan": _cmd_plan, "export": _cmd_export, "validate": _cmd_validate}[args.command]
+    handler = {"plan": _cmd_plan, "export": _cmd_export, "validate": _cmd_validate, "demo": _cmd_demo}[args.command]
     with warnings.catch_warnings():
         warnings.simplefilter("default", ConfigWarning)
         show = warnings.showwarning
