@@ -1,0 +1,43 @@
+"""Train a tiny Llama under a MindFormers YAML with msp.initialize, launched by torchrun or the deepspeed launcher.
+
+    torchrun --nproc_per_node 4 examples/train_deepspeed.py --config configs/tiny_dp2_tp2.yaml --max-steps 5
+    deepspeed --num_gpus 4 examples/train_deepspeed.py --config configs/tiny_dp2_tp2.yaml --max-steps 5
+    python examples/train_deepspeed.py --config configs/tiny_dp1.yaml --max-steps 5     # one process
+
+Both launchers set RANK / WORLD_SIZE / MASTER_ADDR; the deepspeed launcher also passes --local_rank, accepted
+and ignored here (LOCAL_RANK is in the environment too). On a machine without a GPU, msp.initialize starts gloo;
+`deepspeed --num_gpus N` then needs DS_ACCELERATOR=cpu (the launcher counts CPU "devices" by NUMA node otherwise).
+The model is built from a LlamaConfig (no download) and trains on the public-domain text shipped with the package
+(byte tokens). Rank 0 prints the global-batch mean loss of every step.
+"""
+import argparse
+
+import torch
+
+import msparallel_ds as msp
+from msparallel_ds.tiny import dp_rows, text_batches, tiny_llama
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="MindFormers YAML")
+    ap.add_argument("--max-steps", type=int, default=10)
+    ap.add_argument("--seq", type=int, default=64, help="tokens per row")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    cfg = msp.load_config(args.config)
+    engine = msp.initialize(tiny_llama(), cfg, optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr))
+    lay = engine.layout
+    if lay.global_rank == 0:
+        print(engine.plan.summary(), flush=True)
+    for step, batch in enumerate(text_batches(args.max_steps, engine.plan.global_batch_size, args.seq)):
+        loss = engine.train_batch(dp_rows(batch, lay))
+        if lay.global_rank == 0:
+            print(f"step {step + 1} loss {loss.item():.6f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
