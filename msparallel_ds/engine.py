@@ -220,15 +220,18 @@ class Engine:
         with self._zero3_gathered():
             save_pretrained(self.model, self.layout, save_dir, **hf_kwargs)
 
-    def save(self, save_dir: str, tag: Optional[str] = None) -> None:
-        """DeepSpeed checkpoint (model, optimizer, scheduler, step) for resuming under the same layout."""
-        self.ds.save_checkpoint(save_dir, tag=tag, client_state={"msp_global_steps": self.global_steps})
+    def save(self, save_dir: str) -> None:
+        """A layout-independent checkpoint (weights, Adam moments, steps, lr scheduler): engine.load resumes it
+        under this or any other layout (see msparallel_ds.checkpoint). Every rank must call."""
+        from .checkpoint import save_checkpoint
 
-    def load(self, load_dir: str, tag: Optional[str] = None) -> None:
-        _, client = self.ds.load_checkpoint(load_dir, tag=tag)
-        if client is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint found in {load_dir!r} (tag={tag!r})")
-        self.global_steps = client.get("msp_global_steps", 0)
+        save_checkpoint(self, save_dir)
+
+    def load(self, load_dir: str) -> dict:
+        """Resume from engine.save(dir), written under any layout; the next steps equal the uninterrupted run's."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir)
 
 
 def initialize(model: nn.Module, cfg, optimizer: OptimizerArg = None, *, layout=None, lr_scheduler=None,
