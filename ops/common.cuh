@@ -16,6 +16,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "ring_attn.h"
+
 namespace msp_ops {
 namespace dev {
 
@@ -142,4 +144,36 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 }  // namespace dev
+
+// Host side, shared by the forward and backward launchers: checks a step's arguments and resolves its mask mode
+// into the rows and keys it covers (full block, causal diagonal, the zigzag halves).
+struct StepRange {
+  int q_begin = 0, n_q = 0, n_k = 0, causal = 0, offset = 0;
+};
+
+inline cudaError_t step_range(DType dtype, const Shape& shape, Mode mode, StepRange* r) {
+  if (dtype != DType::kFloat16 && dtype != DType::kBFloat16) return cudaErrorInvalidValue;
+  if (!head_dim_supported(shape.d) || shape.h_kv <= 0 || shape.h % shape.h_kv != 0) return cudaErrorInvalidValue;
+  if (static_cast<int64_t>(shape.b) * shape.h > 65535) return cudaErrorInvalidValue;  // grid.y
+  int q_begin = 0, n_q = shape.s_q, n_k = shape.s_k, causal = 0, offset = 0;
+  switch (mode) {
+    case Mode::kFull: break;
+    case Mode::kCausal:
+      causal = 1;
+      offset = shape.s_k - shape.s_q;
+      break;
+    case Mode::kKvFirstHalf:
+      if (shape.s_k % 2) return cudaErrorInvalidValue;
+      n_k = shape.s_k / 2;
+      break;
+    case Mode::kQSecondHalf:
+      if (shape.s_q % 2) return cudaErrorInvalidValue;
+      q_begin = shape.s_q / 2;
+      n_q = shape.s_q - q_begin;
+      break;
+    default: return cudaErrorInvalidValue;
+  }
+  *r = StepRange{q_begin, n_q, n_k, causal, offset};
+  return cudaSuccess;
+}
 }  // namespace msp_ops

@@ -344,27 +344,9 @@ cudaError_t bwd_preprocess(DType dtype, const Shape& shape, Strided out, Strided
 cudaError_t bwd_step(DType dtype, const Shape& shape, Mode mode, float scale, Strided q, Strided k, Strided v,
                      Strided dout, Strided lse, Strided delta, Strided dq, Strided dk, Strided dv,
                      cudaStream_t stream) {
-  if (dtype != DType::kFloat16 && dtype != DType::kBFloat16) return cudaErrorInvalidValue;
-  if (!head_dim_supported(shape.d) || shape.h_kv <= 0 || shape.h % shape.h_kv != 0) return cudaErrorInvalidValue;
-  if (static_cast<int64_t>(shape.b) * shape.h > 65535) return cudaErrorInvalidValue;  // grid.y
-  int q_begin = 0, n_q = shape.s_q, n_k = shape.s_k, causal = 0, offset = 0;
-  switch (mode) {
-    case Mode::kFull: break;
-    case Mode::kCausal:
-      causal = 1;
-      offset = shape.s_k - shape.s_q;
-      break;
-    case Mode::kKvFirstHalf:
-      if (shape.s_k % 2) return cudaErrorInvalidValue;
-      n_k = shape.s_k / 2;
-      break;
-    case Mode::kQSecondHalf:
-      if (shape.s_q % 2) return cudaErrorInvalidValue;
-      q_begin = shape.s_q / 2;
-      n_q = shape.s_q - q_begin;
-      break;
-    default: return cudaErrorInvalidValue;
-  }
+  StepRange range;
+  if (cudaError_t err = step_range(dtype, shape, mode, &range); err != cudaSuccess) return err;
+  const int q_begin = range.q_begin, n_q = range.n_q, n_k = range.n_k, causal = range.causal, offset = range.offset;
   if (shape.b <= 0 || n_q <= 0 || n_k <= 0) return cudaSuccess;
   BwdParams p;
   p.q = static_cast<const char*>(q.ptr) + q_begin * q.ss * 2;
