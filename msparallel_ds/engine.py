@@ -246,6 +246,8 @@ def initialize(model: nn.Module, cfg, optimizer: OptimizerArg = None, *, layout=
     from .parallelize import parallelize
 
     cfg = cfg if isinstance(cfg, ParallelConfig) else load_config(cfg)
+    if not torch.cuda.is_available():  # before deepspeed.init_distributed, which would build the op on CPU
+        _disable_inference_shm_build()
     _ensure_distributed(timeout_s)
     if layout is None:  # a model from msp.from_pretrained / msp.parallelize brings its layout
         layout = getattr(model, "msp_layout", None) or init_parallel(cfg)
@@ -255,8 +257,6 @@ def initialize(model: nn.Module, cfg, optimizer: OptimizerArg = None, *, layout=
                          "yet; set pipeline_stage: 1")
     model = parallelize(model, layout)
     model.to(_device(layout))
-    if layout.device_type != "cuda":
-        _disable_inference_shm_build()
     ds_config = _deepspeed_config(plan, layout, overrides=deepspeed_config)
     params = [p for p in model.parameters() if p.requires_grad]
     if isinstance(optimizer, torch.optim.Optimizer):
