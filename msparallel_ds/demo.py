@@ -134,7 +134,7 @@ def run_demo(config: Optional[str] = None, nproc: Optional[int] = None, steps: i
     import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401
 
     import msparallel_ds.engine  # noqa: F401
-    from msparallel_ds import load_config, make_plan
+    from msparallel_ds import make_plan
     from msparallel_ds.tiny import text_batches
 
     path = Path(config) if config else DEMO_CONFIG
