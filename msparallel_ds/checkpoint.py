@@ -48,14 +48,6 @@ def _check_stage(engine) -> int:
     return stage
 
 
-def _tp_full(t: Tensor, p, layout) -> Tensor:
-    if getattr(p, "tensor_model_parallel", False) and layout.size("tp") > 1:
-        from .tensor_parallel.comm import all_gather_along
-
-        t = all_gather_along(t.contiguous(), layout.group("tp"), p.partition_dim)
-    return t
-
-
 def _tp_slice(t: Tensor, p, layout) -> Tensor:
     if getattr(p, "tensor_model_parallel", False) and layout.size("tp") > 1:
         t = t.chunk(layout.size("tp"), p.partition_dim)[layout.rank("tp")]
@@ -67,6 +59,8 @@ def _tp_slice(t: Tensor, p, layout) -> Tensor:
 
 def save_checkpoint(engine, save_dir: str) -> None:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    from .weights import gather_tp_shard
 
     stage, layout = _check_stage(engine), engine.layout
     opt = _inner_optimizer(engine)
@@ -83,7 +77,7 @@ def save_checkpoint(engine, save_dir: str) -> None:
                 value = safe_get_full_optimizer_state(p, k)
                 if value is not None:
                     rec[k] = value
-        rec = {k: _tp_full(v, p, layout) for k, v in rec.items()}
+        rec = {k: gather_tp_shard(v, p, layout) for k, v in rec.items()}
         if rank0:
             params[name] = {k: v.detach().to("cpu", copy=True) for k, v in rec.items()}
     if rank0:

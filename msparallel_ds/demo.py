@@ -45,12 +45,14 @@ DEFAULT_ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 
 
 
 def _adamw(plan):
-    """The YAML's AdamW (the demo's default when the YAML has no optimizer section), as a torch optimizer factory."""
+    """The YAML's AdamW as msp.initialize builds it, or the demo's default when the YAML has no optimizer section."""
     import torch
 
-    spec = dict(plan.optimizer["params"]) if plan.optimizer else dict(DEFAULT_ADAMW)
-    spec["betas"] = tuple(spec["betas"])
-    return lambda params: torch.optim.AdamW(params, **spec)
+    from msparallel_ds.engine import _torch_optimizer
+
+    if plan.optimizer:
+        return _torch_optimizer(plan)
+    return lambda params: torch.optim.AdamW(params, **DEFAULT_ADAMW)
 
 
 def _worker(rank: int, world: int, port: int, cfg, batches, timeout: float, out) -> None:

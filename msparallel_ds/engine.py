@@ -197,14 +197,9 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ weights
     def _zero3_gathered(self):
-        """ZeRO-3 keeps only a partition of each parameter: gather them for the duration (no-op below stage 3)."""
-        from contextlib import nullcontext
+        from .weights import zero3_gathered
 
-        if self.ds.zero_optimization_stage() != 3:
-            return nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None)
+        return zero3_gathered(self.model, self.ds.zero_optimization_stage())
 
     def full_state_dict(self, *, rank0_only: bool = False) -> Optional[dict]:
         """The HF-keyed full state dict (tp shards and ZeRO-3 partitions gathered), on CPU; every rank must call."""

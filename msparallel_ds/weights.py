@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,8 @@ from torch import Tensor, nn
 
 from .tensor_parallel.comm import all_gather_along
 
-__all__ = ["from_pretrained", "gather_full_state_dict", "load_sharded_checkpoint", "save_pretrained"]
+__all__ = ["from_pretrained", "gather_full_state_dict", "gather_tp_shard", "load_sharded_checkpoint", "save_pretrained",
+           "zero3_gathered"]
 
 _SAFE_FILE, _SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 _BIN_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -32,6 +33,21 @@ _ATTN_KEYS = ("attn_implementation", "_attn_implementation", "_attn_implementati
 
 def _sharded(p: Tensor) -> bool:
     return bool(getattr(p, "tensor_model_parallel", False))
+
+
+def gather_tp_shard(t: Tensor, p: Tensor, layout) -> Tensor:
+    """The full tensor of which `t` is this rank's tp shard, laid out like parameter `p` (all-gathered over tp
+    along p.partition_dim); `t` itself when p is not tp-sharded. A collective over the tp group."""
+    return all_gather_along(t, layout.group("tp"), p.partition_dim) if _sharded(p) else t
+
+
+def zero3_gathered(model: nn.Module, zero_stage: int):
+    """ZeRO-3 keeps only a partition of each parameter: a context that gathers them (a no-op below stage 3)."""
+    if zero_stage != 3:
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
 
 
 def _check_no_pipeline(layout, what: str) -> None:
@@ -49,12 +65,10 @@ def gather_full_state_dict(model: nn.Module, layout, *, rank0_only: bool = True)
     keep = not rank0_only or layout.global_rank == 0
     if not keep and 0 not in layout.ranks("tp"):
         return None  # no rank of this tp group keeps anything: skip the collectives
-    group, full, done = layout.group("tp"), {}, {}
+    full, done = {}, {}
     for key, value in model.state_dict(keep_vars=True).items():  # keep_vars: the Parameters, with their attributes
         if id(value) not in done:  # a tied tensor is gathered once (every rank walks the same order)
-            t = value.detach()
-            if _sharded(value):
-                t = all_gather_along(t, group, value.partition_dim)
+            t = gather_tp_shard(value.detach(), value, layout)
             done[id(value)] = t.to("cpu").contiguous() if keep else None
         full[key] = done[id(value)]
     return full if keep else None

@@ -145,6 +145,15 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 }  // namespace dev
 
+// Host side: the grid of a row-wise kernel (one warp per row: merge, finalize, backward preprocess); false when
+// `rows` needs more blocks than a grid holds.
+inline bool warp_per_row_grid(int64_t rows, int threads, dim3* grid) {
+  const int64_t blocks = (rows + threads / 32 - 1) / (threads / 32);
+  if (blocks > 0x7fffffff) return false;
+  *grid = dim3(static_cast<unsigned>(blocks));
+  return true;
+}
+
 // Host side, shared by the forward and backward launchers: checks a step's arguments and resolves its mask mode
 // into the rows and keys it covers (full block, causal diagonal, the zigzag halves).
 struct StepRange {

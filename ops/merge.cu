@@ -78,9 +78,8 @@ cudaError_t merge(DType out_dtype, const Shape& shape, Strided acc_out, Strided 
   p.d = shape.d;
   p.rows = static_cast<int64_t>(shape.b) * shape.h * shape.s_q;
   if (p.rows == 0) return cudaSuccess;
-  const int64_t blocks = (p.rows + kThreads / 32 - 1) / (kThreads / 32);
-  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(blocks));
+  dim3 grid;
+  if (!warp_per_row_grid(p.rows, kThreads, &grid)) return cudaErrorInvalidValue;
   switch (out_dtype) {
     case DType::kFloat32: merge_kernel<float><<<grid, kThreads, 0, stream>>>(p); break;
     case DType::kFloat16: merge_kernel<__half><<<grid, kThreads, 0, stream>>>(p); break;

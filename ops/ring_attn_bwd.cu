@@ -329,9 +329,8 @@ cudaError_t bwd_preprocess(DType dtype, const Shape& shape, Strided out, Strided
   p.d = shape.d;
   p.rows = static_cast<int64_t>(shape.b) * shape.h * shape.s_q;
   if (p.rows == 0) return cudaSuccess;
-  const int64_t blocks = (p.rows + kThreads / 32 - 1) / (kThreads / 32);
-  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(blocks));
+  dim3 grid;
+  if (!warp_per_row_grid(p.rows, kThreads, &grid)) return cudaErrorInvalidValue;
   switch (dtype) {
     case DType::kFloat16: bwd_preprocess_kernel<__half><<<grid, kThreads, 0, stream>>>(p); break;
     case DType::kBFloat16: bwd_preprocess_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(p); break;

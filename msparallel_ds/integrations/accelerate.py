@@ -346,17 +346,10 @@ class MindFormersAccelerator(Accelerator):
     def save_pretrained(self, model, save_dir: str, **hf_kwargs) -> None:
         """A plain HF checkpoint of the full model (tp shards and ZeRO-3 partitions gathered, the attention
         implementation reset so a plain process loads it); every rank must call, global rank 0 writes."""
-        from contextlib import nullcontext
-
-        from ..weights import save_pretrained
+        from ..weights import save_pretrained, zero3_gathered
 
         inner = self.unwrap_model(model)
-        gathered = nullcontext()
-        if self.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}).get("stage") == 3:
-            import deepspeed
-
-            gathered = deepspeed.zero.GatheredParameters(list(inner.parameters()), modifier_rank=None)
-        with gathered:
+        with zero3_gathered(inner, self.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}).get("stage")):
             save_pretrained(inner, self.layout, save_dir, **hf_kwargs)
 
     # ------------------------------------------------------------------------------------------ prepare
@@ -390,7 +383,6 @@ class MindFormersAccelerator(Accelerator):
     def _prepare_deepspeed(self, *args):
         from torch.optim.lr_scheduler import LRScheduler
 
-        from ..engine import _disable_inference_shm_build
         from ..parallelize import parallelize
 
         models = [a for a in args if isinstance(a, nn.Module)]
@@ -406,8 +398,6 @@ class MindFormersAccelerator(Accelerator):
         ds = self.deepspeed_plugin.deepspeed_config
         if "scheduler" in ds and any(isinstance(a, LRScheduler) for a in args):
             ds.pop("scheduler")  # the script's own scheduler replaces the YAML's lr_schedule
-        if self.layout.device_type != "cuda":
-            _disable_inference_shm_build()
         with _deepspeed_initialize_with(self.layout.mpu()):
             result = super()._prepare_deepspeed(*args)
         for obj in result:
