@@ -34,6 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--nproc", type=int, default=None, help="processes (default: the YAML's world size)")
     d.add_argument("--steps", type=int, default=10)
     d.add_argument("--timeout", type=float, default=300, help="seconds before a stuck run is stopped")
+    c = sub.add_parser("convert-checkpoint", help="slice an engine.save checkpoint for another YAML's layout, offline")
+    c.add_argument("src", help="folder written by engine.save")
+    c.add_argument("dst", help="new folder for the converted checkpoint")
+    c.add_argument("--to-config", required=True, help="MindFormers YAML of the run that will load it")
+    c.add_argument("--timeout", type=float, default=600)
     v = sub.add_parser("validate", help="check one or more YAMLs; one line per file")
     v.add_argument("files", nargs="+")
     v.add_argument("--world-size", type=int, default=None)
@@ -83,6 +88,21 @@ def _cmd_demo(args) -> int:
     return 0 if result["finite"] else 1
 
 
+def _cmd_convert(args) -> int:
+    from .convert import convert_checkpoint
+
+    try:
+        index = convert_checkpoint(args.src, args.dst, args.to_config, timeout=args.timeout,
+                                   echo=lambda line: print(line, flush=True))
+    except (OSError, ValueError, RuntimeError, TimeoutError) as exc:  # the user's paths or checkpoint: no traceback
+        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        print(f"error: {last}", file=sys.stderr)
+        return 2
+    print(f"converted {args.src} -> {args.dst} for pipeline_stage={index['mesh']['pp']}, "
+          f"model_parallel={index['mesh']['tp']} ({len(index['files'])} files)")
+    return 0
+
+
 def _cmd_validate(args) -> int:
     worst = 0
     for f in args.files:
@@ -100,7 +120,8 @@ def _cmd_validate(args) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    handler = {"plan": _cmd_plan, "export": _cmd_export, "validate": _cmd_validate, "demo": _cmd_demo}[args.command]
+    handler = {"plan": _cmd_plan, "export": _cmd_export, "validate": _cmd_validate, "demo": _cmd_demo,
+               "convert-checkpoint": _cmd_convert}[args.command]
     with warnings.catch_warnings():
         warnings.simplefilter("default", ConfigWarning)
         show = warnings.showwarning

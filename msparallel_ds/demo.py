@@ -10,24 +10,12 @@ The workers are forked after the heavy imports (torch, transformers, DeepSpeed),
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
-import queue
-import socket
-import sys
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional
 
 DEMO_CONFIG = Path(__file__).with_name("data") / "demo.yaml"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _quiet() -> None:
@@ -55,29 +43,16 @@ def _adamw(plan):
     return lambda params: torch.optim.AdamW(params, **DEFAULT_ADAMW)
 
 
-def _worker(rank: int, world: int, port: int, cfg, batches, timeout: float, out) -> None:
-    try:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
-        import torch
-        import torch.distributed as dist
+def _worker(rank: int, world: int, cfg, batches, send) -> None:
+    import msparallel_ds as msp
+    from msparallel_ds.tiny import dp_rows, tiny_llama
 
-        import msparallel_ds as msp
-        from msparallel_ds.tiny import dp_rows, tiny_llama
-
-        torch.set_num_threads(1)  # N processes share the cores
-        _quiet()
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
-        engine = msp.initialize(tiny_llama(), cfg, optimizer=_adamw(msp.make_plan(cfg, world_size=world)))
-        for step, batch in enumerate(batches):
-            loss = engine.train_batch(dp_rows(batch, engine.layout))
-            if rank == 0:
-                out.put(("loss", step, loss.item()))
-        dist.barrier()
-        dist.destroy_process_group()
-        out.put(("done", rank, None))
-    except BaseException:  # reported to the parent, which stops the run with this rank's traceback
-        out.put(("error", rank, traceback.format_exc()))
+    _quiet()
+    engine = msp.initialize(tiny_llama(), cfg, optimizer=_adamw(msp.make_plan(cfg, world_size=world)))
+    for step, batch in enumerate(batches):
+        loss = engine.train_batch(dp_rows(batch, engine.layout))
+        if rank == 0:
+            send((step, loss.item()))
 
 
 def reference_losses(cfg, plan, batches) -> list[float]:
@@ -154,39 +129,17 @@ def run_demo(config: Optional[str] = None, nproc: Optional[int] = None, steps: i
          f"steps, global batch {plan.global_batch_size} x {seq} byte tokens of public-domain text")
     batches = text_batches(steps, plan.global_batch_size, seq)
 
-    ctx = mp.get_context("fork" if sys.platform != "win32" else "spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, batches, timeout, out), daemon=True)
-             for r in range(world)]
-    start = time.monotonic()
-    for p in procs:
-        p.start()
+    from msparallel_ds.launch import run_local
+
     losses: list[Optional[float]] = [None] * steps
-    done, deadline = 0, start + timeout
-    try:
-        while done < world:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the demo did not finish within {timeout:.0f} s")
-            try:
-                kind, a, b = out.get(timeout=0.5)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without reporting")
-                continue
-            if kind == "error":
-                raise RuntimeError(f"rank {a} failed:\n{b}")
-            if kind == "loss":
-                losses[a] = b
-                echo(f"  step {a + 1:3d}/{steps} {_bar(a + 1, steps)} loss {b:.5f}  ({time.monotonic() - start:.1f} s)")
-            else:
-                done += 1
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+    start = time.monotonic()
+
+    def progress(rank, message):
+        step, loss = message
+        losses[step] = loss
+        echo(f"  step {step + 1:3d}/{steps} {_bar(step + 1, steps)} loss {loss:.5f}  ({time.monotonic() - start:.1f} s)")
+
+    run_local(_worker, world, (cfg, batches), timeout=timeout, on_message=progress)
     parallel_s = time.monotonic() - start
 
     echo(f"\nthe same {steps} steps in one process (unsharded model, HF loss, torch AdamW, clip_grad_norm_):")
