@@ -181,11 +181,21 @@ class Engine:
         n_tokens = count.clamp_min(1.0)
         self.model.train()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
+        interleave = getattr(self.model, "msp_interleave", None) or {}
+        summed_copies = interleave.get("copy_loss") == "sum"  # MindSpore's summed copies (interleave.multi_copy)
         for m in range(self.gradient_accumulation_steps):
             rows = slice(m * self.micro_batch_size, (m + 1) * self.micro_batch_size)
             inputs, targets = self._micro_inputs(batch, rows)
             out = self.ds(**inputs, use_cache=False)
             logits = out.logits if hasattr(out, "logits") else out[0]
+            if summed_copies:
+                from .interleave.multi_copy import copy_loss_terms
+
+                loss = copy_loss_terms(self._token_loss_sum, logits, targets, labels[rows], interleave["copies"])
+                self.ds.backward(loss / self.gradient_accumulation_steps, scale_wrt_gas=False)
+                self.ds.step()
+                total += loss.detach().float()
+                continue
             loss_sum = self._token_loss_sum(logits, targets)
             self.ds.backward(loss_sum * (self._grad_divisor / n_tokens), scale_wrt_gas=False)
             self.ds.step()
@@ -193,6 +203,8 @@ class Engine:
         if self.layout.size("dp_cp") > 1:
             dist.all_reduce(total, group=self.layout.group("dp_cp"))
         self.global_steps += 1
+        if summed_copies:  # MindFormers logs the summed loss / N; averaged over dp ranks and micro-batches
+            return total / (dp * self.gradient_accumulation_steps * interleave["copies"])
         return total / n_tokens
 
     # ------------------------------------------------------------------------------------------ weights
@@ -247,9 +259,13 @@ def initialize(model: nn.Module, cfg, optimizer: OptimizerArg = None, *, layout=
     if layout is None:  # a model from msp.from_pretrained / msp.parallelize brings its layout
         layout = getattr(model, "msp_layout", None) or init_parallel(cfg)
     plan = layout.plan
-    if layout.size("pp") > 1:
-        raise ValueError(f"parallel_config.pipeline_stage={layout.size('pp')}: the pipeline engine is not available "
-                         "yet; set pipeline_stage: 1")
+    if layout.size("pp") > 1:  # torch.distributed.pipelining schedules (DeepSpeed's PipelineModule takes no mpu)
+        from .pipeline.engine import initialize_pipeline
+
+        if deepspeed_config:
+            raise ValueError("deepspeed_config overrides apply to the DeepSpeed engine, which pipeline_stage > 1 does "
+                             "not use; drop them (the YAML drives the pipeline engine)")
+        return initialize_pipeline(model, layout, optimizer, lr_scheduler=lr_scheduler)
     model = parallelize(model, layout)
     model.to(_device(layout))
     ds_config = _deepspeed_config(plan, layout, overrides=deepspeed_config)

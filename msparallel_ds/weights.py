@@ -8,7 +8,8 @@ Parameter names are the HF model's (tp layers keep nn.Linear/nn.Embedding names)
 A tp-sharded parameter carries Megatron's attributes (tensor_model_parallel, partition_dim); tp rank r of T holds
 `full.chunk(T, partition_dim)[r]`. Everything else is a full replica. Loading builds the model on the meta device,
 parallelizes it, then reads each rank's slice with safetensors' get_slice, so no rank materializes the full model.
-Pipeline stages (pp > 1) are not handled here yet.
+With pp > 1, gather_full_state_dict takes the pipeline engine's stage view (engine.model) and also gathers
+over the pp group.
 """
 from __future__ import annotations
 
@@ -50,21 +51,23 @@ def zero3_gathered(model: nn.Module, zero_stage: int):
     return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
 
 
-def _check_no_pipeline(layout, what: str) -> None:
-    if layout.size("pp") > 1:
-        raise NotImplementedError(f"{what} with pipeline stages (pp={layout.size('pp')}) is not implemented: "
-                                  f"a stage holds only its own layers")
-
-
 # ---------------------------------------------------------------------------------------------- gather / save
 def gather_full_state_dict(model: nn.Module, layout, *, rank0_only: bool = True) -> dict[str, Tensor] | None:
     """model.state_dict() with every tp-sharded tensor all-gathered along its partition_dim: detached, contiguous,
     on CPU. Tied keys share one tensor, as in the unsharded state dict (HF drops the alias when saving).
     rank0_only: other ranks return None; only the tp group holding global rank 0 gathers."""
-    _check_no_pipeline(layout, "gather_full_state_dict")
+    if layout.size("pp") > 1:  # `model` is this rank's pipeline stages (pipeline.split keeps HF names)
+        from .pipeline.checkpoint import gather_pipeline_state_dict
+
+        return gather_pipeline_state_dict(model, layout, rank0_only=rank0_only)
     keep = not rank0_only or layout.global_rank == 0
     if not keep and 0 not in layout.ranks("tp"):
         return None  # no rank of this tp group keeps anything: skip the collectives
+    return _gather_tp(model, layout, keep)
+
+
+def _gather_tp(model: nn.Module, layout, keep: bool) -> dict[str, Tensor] | None:
+    """state_dict with tp shards gathered (a collective over tp); None where not `keep`."""
     full, done = {}, {}
     for key, value in model.state_dict(keep_vars=True).items():  # keep_vars: the Parameters, with their attributes
         if id(value) not in done:  # a tied tensor is gathered once (every rank walks the same order)

@@ -1,0 +1,288 @@
+"""PipelineEngine: msp.initialize's engine when parallel_config.pipeline_stage > 1 (same surface as engine.Engine).
+
+Built on torch.distributed.pipelining, not DeepSpeed's PipelineModule (ZeRO <= 1 only, no mpu, 1F1B only):
+1. tp (+SP, vocab parallel: MindFormers forces vocab_emb_dp false with pp) and cp attention are applied to the WHOLE
+   HF model, then split.split_model keeps this pp rank's stages (HF parameter names kept). SP's sequence split sits
+   on layer 0 (first stage); later stages receive the already split hidden state, so SP needs nothing else. The
+   other ranks' modules are moved to the meta device (the HF shell stays only for save_pretrained's config).
+2. Recompute per stage: recompute_config lists are per stage (and per virtual chunk), applied to each chunk's layers.
+3. train_batch: the batch (this dp rank's rows: batch_size x mbi x micro_batch_num) is cp-sharded once
+   (context_parallel.batch.shard_batch: shifted labels, global position_ids); the schedule splits it into
+   micro_batch_num micro-batches. position_ids (and doc_ids) travel as keywords to every stage; only the hidden
+   state crosses stages. The last stage's loss_fn returns sum(token losses) / N, N = valid tokens of the GLOBAL
+   batch; schedules run with scale_grads=False, so after the schedule each rank holds d(its tokens' loss sum)/N.
+4. Gradients are then summed over dp x cp (one flat all-reduce per step), so every rank holds d(global sum)/N:
+   the non-pipelined step's gradient exactly. Global-norm clipping sums squared norms over pp x tp, counting
+   tp-sharded parameters on every tp rank and replicated ones once (tp rank 0), with torch's clip_grad_norm_ formula.
+5. Optimizer parallel (parallel.enable_parallel_optimizer) = torch's ZeroRedundancyOptimizer over dp_cp inside each
+   stage: ZeRO-1 (optimizer state sharded, gradients all-reduced, updated parameters broadcast by their owner).
+   It is chosen over DeepSpeed's stage-1 partitioner because that one lives inside DeepSpeed's engine, which cannot
+   wrap a pipeline stage with our mpu. optimizer_level level2/level3 run as level1 here, with a warning that says so.
+6. The loss returned is the global-batch mean on every rank: summed over dp x cp on the last stage, then over pp.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..context_parallel.batch import IGNORE_INDEX, shard_batch, shift_labels
+from .schedule import build_schedule
+from .split import split_model
+
+__all__ = ["PipelineEngine", "initialize_pipeline"]
+
+
+def _drop_other_modules(model: nn.Module, view: nn.Module) -> None:
+    """Free what this rank does not run: every module whose parameters are not in `view` goes to meta."""
+    keep = {id(p) for p in view.parameters()}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) not in keep:
+                module._parameters[name] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+
+
+def _optimizer_parts(optimizer, plan):
+    """(optimizer class, its defaults) from a callable params -> Optimizer, an Optimizer, or None (the YAML's)."""
+    from ..engine import _torch_optimizer
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        probe = optimizer
+    else:
+        probe = (optimizer or _torch_optimizer(plan))([nn.Parameter(torch.zeros(1))])
+    accepted = inspect.signature(type(probe).__init__).parameters
+    return type(probe), {k: v for k, v in probe.defaults.items() if k in accepted}
+
+
+def _build_optimizer(params: list, optimizer, plan, layout) -> torch.optim.Optimizer:
+    cls, defaults = _optimizer_parts(optimizer, plan)
+    zero = plan.zero.stage if plan.config.parallel.enable_parallel_optimizer else 0
+    if zero > 1:
+        warnings.warn(f"parallel.parallel_optimizer_config.optimizer_level=level{zero} with pipeline_stage > 1 runs "
+                      "as level1 (ZeRO-1: optimizer state sharded over data_parallel x context_parallel inside each "
+                      "stage; gradients and weights stay whole)", stacklevel=3)
+    if zero and layout.size("dp_cp") > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=layout.group("dp_cp"), **defaults)
+    return cls(params, **defaults)
+
+
+def _yaml_scheduler(plan, optimizer):
+    spec = plan.to_deepspeed().get("scheduler")
+    if not spec:
+        return None
+    from deepspeed.runtime import lr_schedules
+
+    return getattr(lr_schedules, spec["type"])(optimizer, **spec.get("params", {}))
+
+
+class PipelineEngine:
+    """This pp rank's stages, their schedule, the optimizer and layout. Build with msp.initialize."""
+
+    is_pipeline = True
+
+    def __init__(self, hf_model, view, stages, schedule, stage_ids, layout, plan, optimizer, lr_scheduler,
+                 device, recompute):
+        self._hf, self.model, self.stages, self.schedule = hf_model, view, stages, schedule
+        self.stage_ids, self.layout, self.plan, self.device = stage_ids, layout, plan, device
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        self.micro_batch_size = plan.micro_batch_size * plan.micro_batch_interleave_num
+        self.gradient_accumulation_steps = plan.micro_batch_num
+        self.global_steps = 0
+        self.n_stages = layout.size("pp") * plan.pp_virtual_stages
+        self.holds_first, self.holds_last = 0 in stage_ids, self.n_stages - 1 in stage_ids
+        self._n_tokens: Optional[Tensor] = None
+        self._head = view.lm_head
+        self.model.msp_recompute = recompute
+        self.model.msp_layout = layout
+
+    # ------------------------------------------------------------------------------------------ loss
+    def _loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
+        if getattr(self._head, "tp", 1) > 1 and hasattr(self._head, "gather_logits"):  # vocab-parallel logits
+            from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
+
+            loss_sum = vocab_parallel_cross_entropy(logits, targets, self._head.group, IGNORE_INDEX, "sum")
+        else:
+            loss_sum = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                       reduction="sum")
+        return loss_sum / self._n_tokens
+
+    # ------------------------------------------------------------------------------------------ batches
+    def _inputs(self, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor, dict]:
+        ids = batch.get("input_ids")
+        rows = self.micro_batch_size * self.gradient_accumulation_steps
+        if ids is None or ids.dim() != 2:
+            raise ValueError("train_batch needs batch['input_ids'] of shape [rows, seq] (this dp rank's share of the "
+                             "global batch)")
+        if ids.shape[0] != rows:
+            raise ValueError(
+                f"train_batch got {ids.shape[0]} rows; this dp rank's share of a global step is {rows} = "
+                f"runner_config.batch_size x micro_batch_interleave_num ({self.micro_batch_size}) x "
+                f"parallel_config.micro_batch_num ({self.gradient_accumulation_steps}); global batch "
+                f"{self.plan.global_batch_size} / data_parallel {self.layout.size('dp')}")
+        batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        batch.setdefault("labels", batch["input_ids"])
+        if batch["labels"].shape != ids.shape:
+            raise ValueError(f"labels shape {tuple(batch['labels'].shape)} != input_ids shape {tuple(ids.shape)}")
+        if self.layout.size("cp") > 1:
+            inputs = shard_batch(batch, self.layout)
+            targets = inputs.pop("shift_labels")
+        else:
+            inputs = dict(batch)
+            targets = shift_labels(inputs.pop("labels"))
+            inputs.pop("shift_labels", None)
+            inputs.pop("attention_mask", None)  # causal masks are rebuilt per stage; padding masks are not supported
+            if inputs.get("position_ids") is None:
+                s = ids.shape[1]
+                inputs["position_ids"] = torch.arange(s, device=self.device).unsqueeze(0).expand(ids.shape[0], s)
+        kwargs = {k: v.expand(ids.shape[0], -1).contiguous() if k == "position_ids" else v
+                  for k, v in inputs.items() if k in ("position_ids", "doc_ids")}
+        return inputs["input_ids"], targets, kwargs
+
+    # ------------------------------------------------------------------------------------------ step
+    def _sync_and_clip(self) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.layout.size("dp_cp") > 1:
+            grads = [p.grad for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.layout.group("dp_cp"))
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        clip = self.plan.gradient_clipping
+        if not clip:
+            return
+        tp_rank0 = self.layout.rank("tp") == 0
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in params:
+            if getattr(p, "tensor_model_parallel", False) or tp_rank0:
+                sq += p.grad.detach().float().pow(2).sum()
+        dist.all_reduce(sq, group=self.layout.group("pp_tp"))
+        norm = sq.sqrt()
+        coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+        for p in params:
+            p.grad.mul_(coef.to(p.grad.dtype))
+
+    def train_batch(self, batch: Mapping[str, Any]) -> Tensor:
+        """One optimizer step on this dp rank's share of the global batch; returns the global-batch mean loss
+        (detached, float32) on every rank."""
+        ids, targets, kwargs = self._inputs(batch)
+        labels = batch.get("labels", batch["input_ids"])
+        count = (shift_labels(labels) != IGNORE_INDEX).sum().to(torch.float32).to(self.device)
+        if self.layout.size("dp") > 1:
+            dist.all_reduce(count, group=self.layout.group("dp"))
+        self._n_tokens = count.clamp_min(1.0)
+        for stage in self.stages:
+            stage.submod.train()
+        losses: list = []
+        args = (ids,) if self.holds_first else ()
+        target = targets if self.holds_last else None
+        self.schedule.step(*args, target=target, losses=losses if self.holds_last else None, **kwargs)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for loss in losses:
+            total += loss.detach().float()
+        if self.layout.size("dp_cp") > 1:
+            dist.all_reduce(total, group=self.layout.group("dp_cp"))
+        dist.all_reduce(total, group=self.layout.group("pp"))  # only the last stage's ranks hold a loss
+        self._sync_and_clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+        return total
+
+    # ------------------------------------------------------------------------------------------ weights
+    def full_state_dict(self, *, rank0_only: bool = False) -> Optional[dict]:
+        """The HF-keyed full state dict (stages and tp shards gathered), on CPU; every rank must call."""
+        from ..weights import gather_full_state_dict
+
+        return gather_full_state_dict(self.model, self.layout, rank0_only=rank0_only)
+
+    def save_pretrained(self, save_dir: str, **hf_kwargs) -> None:
+        """A normal HF checkpoint of the full model, written by global rank 0; every rank must call."""
+        from ..weights import _clean_saved_config
+
+        full = self.full_state_dict(rank0_only=True)
+        if self.layout.global_rank == 0:
+            total = sum(t.numel() for t in {id(t): t for t in full.values()}.values())
+            self._hf.save_pretrained(save_dir, state_dict=full, is_main_process=True, **hf_kwargs)
+            _clean_saved_config(save_dir, total)
+        dist.barrier()
+
+    def save(self, save_dir: str) -> None:
+        """The layout-independent checkpoint of msparallel_ds.checkpoint (loads under any layout)."""
+        from .checkpoint import save_pipeline_checkpoint
+
+        save_pipeline_checkpoint(self, save_dir)
+
+    def load(self, load_dir: str) -> dict:
+        from .checkpoint import load_pipeline_checkpoint
+
+        return load_pipeline_checkpoint(self, load_dir)
+
+
+def initialize_pipeline(model: nn.Module, layout, optimizer=None, *, lr_scheduler=None) -> PipelineEngine:
+    """msp.initialize for pipeline_stage > 1 (called by engine.initialize; same arguments)."""
+    from ..config.rules import layers_per_stage
+    from ..engine import _device
+    from ..recompute import apply_recompute
+    from ..tensor_parallel.apply import tp_parallelize
+
+    plan = layout.plan
+    if getattr(model, "msp_layout", None) is not None:
+        raise ValueError("parallel_config.pipeline_stage > 1: pass msp.initialize the plain HF model (not one from "
+                         "msp.parallelize / msp.from_pretrained); the pipeline engine splits and shards it itself")
+    pp, vpp, pp_rank = layout.size("pp"), plan.pp_virtual_stages, layout.rank("pp")
+    counts = plan.layers_per_stage
+    if counts is None:  # the YAML gives no num_layers: the model's count with the YAML's offsets
+        n = len(model.get_submodule(model.base_model_prefix).layers)
+        counts = layers_per_stage(n, pp, vpp, plan.config.model.offset)
+        if sum(map(sum, counts)) != n or min(map(min, counts)) < 1:
+            raise ValueError(f"model.model_config.offset={plan.config.model.offset!r} does not split the model's {n} "
+                             f"layers over pipeline_stage={pp} x pp_interleave_num={vpp} (layers per stage "
+                             f"{counts}); set model.model_config.num_layers: {n} to get the full offset checks")
+    if plan.config.model.compute_dtype not in ("float32", None) and layout.device_type != "cuda":
+        warnings.warn(f"model.model_config.compute_dtype={plan.config.model.compute_dtype}: the pipeline engine "
+                      "runs the model in its own dtype (float32 on CPU)", stacklevel=3)
+    if layout.size("tp") > 1:
+        tp_parallelize(model, layout, sequence_parallel=plan.sequence_parallel, vocab_parallel=plan.vocab_parallel)
+    if layout.size("cp") > 1:
+        from ..integrations.hf_attention import use_cp_attention
+
+        use_cp_attention(model, layout)
+    modules, view, stage_ids = split_model(model, counts, pp_rank, plan.pp_schedule)
+    done = {}
+    for chunk, module in enumerate(modules):
+        hit = apply_recompute(model, plan.recompute, layers=nn.ModuleList(module.body.layers.values()),
+                              stage=pp_rank, chunk=chunk)
+        done.update({str(module.layer_ids[int(i)]): v for i, v in hit.items()})
+    _drop_other_modules(model, view)
+    device = _device(layout)
+    view.to(device)
+    engine_box: list = []
+
+    def loss_fn(logits, targets):
+        return engine_box[0]._loss_fn(logits, targets)
+
+    schedule, stages = build_schedule(plan.pp_schedule, modules, stage_ids, pp * vpp, layout, device,
+                                      plan.micro_batch_num, loss_fn)
+    params = [p for p in view.parameters() if p.requires_grad]
+    opt = _build_optimizer(params, optimizer, plan, layout)
+    if lr_scheduler is None:
+        sched = _yaml_scheduler(plan, opt)
+    else:  # an LR scheduler, or (as DeepSpeed accepts) a callable optimizer -> scheduler
+        sched = lr_scheduler if hasattr(lr_scheduler, "step") else lr_scheduler(opt)
+    engine = PipelineEngine(model, view, stages, schedule, stage_ids, layout, plan, opt, sched, device, done)
+    engine_box.append(engine)
+    return engine
