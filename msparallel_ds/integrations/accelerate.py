@@ -260,8 +260,12 @@ class MindFormersAccelerator(Accelerator):
         layout = init_parallel(cfg)
         plan = layout.plan
         if layout.size("pp") > 1:
-            raise ValueError(f"parallel_config.pipeline_stage={layout.size('pp')}: MindFormersAccelerator runs "
-                             "dp/tp/cp/ZeRO; set pipeline_stage: 1")
+            raise ValueError(f"parallel_config.pipeline_stage={layout.size('pp')}: MindFormersAccelerator "
+                             "cannot drive a "
+                             "pipeline (its loop runs one forward/backward per batch; a schedule runs all "
+                             "micro-batches across stages). Use engine = msp.initialize(model, cfg, optimizer=...) "
+                             "and engine.train_batch(batch) under torchrun or the deepspeed launcher (example: "
+                             "examples/train_deepspeed.py --config configs/tiny_pp2.yaml), or set pipeline_stage: 1")
         ds = _deepspeed_config(plan, layout, overrides=deepspeed_config)
         wanted = {"bf16": "bf16", "fp16": "fp16"}.get(plan.compute_dtype, "no") if cuda else "no"
         given = accelerator_kwargs.pop("mixed_precision", None)

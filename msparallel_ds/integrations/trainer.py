@@ -103,7 +103,11 @@ class MindFormersTrainer(Trainer):
                              "MindFormersTrainer runs DeepSpeed on CPU over gloo by itself")
         if cfg.parallel_config.pipeline_stage > 1:
             raise ValueError(f"parallel_config.pipeline_stage={cfg.parallel_config.pipeline_stage}: MindFormersTrainer "
-                             "runs dp/tp/cp/ZeRO; set pipeline_stage: 1")
+                             "cannot drive a "
+                             "pipeline (its loop runs one forward/backward per batch; a schedule runs all "
+                             "micro-batches across stages). Use engine = msp.initialize(model, cfg, optimizer=...) "
+                             "and engine.train_batch(batch) under torchrun or the deepspeed launcher (example: "
+                             "examples/train_deepspeed.py --config configs/tiny_pp2.yaml), or set pipeline_stage: 1")
         given = cfg.runner_config.model_fields_set
         batch = cfg.runner_config.batch_size * cfg.micro_batch_interleave_num
         for key, field, value in (("batch_size", "per_device_train_batch_size", batch),
