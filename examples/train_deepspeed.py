@@ -3,6 +3,11 @@
     torchrun --nproc_per_node 4 examples/train_deepspeed.py --config configs/tiny_dp2_tp2.yaml --max-steps 5
     deepspeed --num_gpus 4 examples/train_deepspeed.py --config configs/tiny_dp2_tp2.yaml --max-steps 5
     python examples/train_deepspeed.py --config configs/tiny_dp1.yaml --max-steps 5     # one process
+    torchrun --nproc_per_node 4 examples/train_deepspeed.py --config configs/tiny_pp2.yaml --max-steps 5  # pipeline
+
+The same script runs pipeline parallel (pipeline_stage > 1): msp.initialize returns the pipeline engine and
+train_batch runs the YAML's schedule (configs/tiny_pp2.yaml: pp 2 x tp 2 + SP, interleaved 1F1B, 4 micro-batches;
+checked on 4 CPU processes with torchrun). accelerate / the HF Trainer cannot drive a pipeline: use this launcher.
 
 Both launchers set RANK / WORLD_SIZE / MASTER_ADDR; the deepspeed launcher also passes --local_rank, accepted
 and ignored here (LOCAL_RANK is in the environment too). On a machine without a GPU, msp.initialize starts gloo;
