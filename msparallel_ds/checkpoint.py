@@ -93,6 +93,16 @@ def _check_stage(engine) -> int:
     return stage
 
 
+def _link_optimizer_state(engine) -> None:
+    """Point each parameter's ZeRO fragment at its slice of the flat Adam state. DeepSpeed (0.19.8) links them once,
+    right after the FIRST param group's step, so with several groups (the Trainer's decay / no-decay split) the later
+    groups stay linked to nothing; link again now that all the state exists."""
+    ds_opt = engine.ds.optimizer
+    if hasattr(ds_opt, "_hp_optimizer_states_linked"):
+        ds_opt._hp_optimizer_states_linked = False
+        ds_opt._lazy_init_hp_params_optimizer_state()
+
+
 def tp_slice(t: Tensor, p, layout) -> Tensor:
     """This tp rank's slice of the full tensor `t` for parameter `p`, shape-checked."""
     if getattr(p, "tensor_model_parallel", False) and layout.size("tp") > 1:
@@ -117,6 +127,8 @@ def save_checkpoint(engine, save_dir: str) -> None:
     opt = _inner_optimizer(engine)
     keys = _optimizer_keys(opt)
     rank0 = layout.global_rank == 0
+    if stage > 0 and opt.state:
+        _link_optimizer_state(engine)
     params: dict[str, dict[str, Tensor]] = {}
     for name, p in engine.model.named_parameters():
         if stage == 0:
@@ -190,8 +202,8 @@ def load_checkpoint(engine, load_dir: str) -> dict[str, Any]:
     if missing or unexpected:
         raise ValueError(f"{load_dir} does not match this model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     _ensure_adam_state(opt, keys, ck["optimizer_step"])
-    if stage > 0:  # DeepSpeed links each parameter to its slice of the flat Adam state after the first step; now
-        engine.ds.optimizer._lazy_init_hp_params_optimizer_state()
+    if stage > 0:  # DeepSpeed would link each parameter to its slice of the flat Adam state at the first step; now
+        _link_optimizer_state(engine)
     with torch.no_grad():
         for name, p in engine.model.named_parameters():
             rec = {k: _fit(v, p, layout, sliced) for k, v in ck["params"][name].items()}

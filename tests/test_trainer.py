@@ -6,8 +6,10 @@ clipping and HF's default linear decay. Rows ignore a different number of leadin
 shards hold unequal token counts: the Trainer's num_items_in_batch normalisation must count each dp replica once
 (tp and cp peers hold the same rows) and each cp rank must back-propagate its share. The logged gradient norms
 match too (DeepSpeed's, before clipping), and so does trainer.evaluate()'s eval_loss (one copy per dp replica
-gathered, the padded last batch dropped). The dp2 x tp2 run also saves: a Trainer checkpoint (DeepSpeed files and
-a full HF model) and save_model's HF checkpoint, which a plain process loads with the reference's weights.
+gathered, the padded last batch dropped). The dp2 x tp2 run also saves: a Trainer checkpoint at step 2 (DeepSpeed
+files, msparallel_ds's layout-independent checkpoint and a full HF model) and save_model's HF checkpoint, which a
+plain process loads with the reference's weights; new processes then resume the step-2 checkpoint under dp2 x cp2
+Ulysses ZeRO-2 and log the uninterrupted step 3.
 """
 import importlib.util
 import os
@@ -22,7 +24,7 @@ from engine_cases import tiny_config
 from harness import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, SEQ, RTOL = 3, 32, 1e-4
+STEPS, SEQ, RTOL, SAVE_AT = 3, 32, 1e-4, 2
 COMMON = {"max_steps": STEPS, "logging_steps": 1, "report_to": [], "seed": 0, "disable_tqdm": True,
           "per_device_eval_batch_size": 2}
 EVAL_ROWS = 6  # 3 eval batches of 2: dp replica 1 gets a padded last batch, dropped again by gather_for_metrics
@@ -50,11 +52,11 @@ class MaskedTextWindows:
         return {"input_ids": ids, "labels": labels}
 
 
-def _logged(trainer, key):
-    return [h[key] for h in trainer.state.log_history if key in h]
+def _logged(trainer, key, after=0):
+    return [h[key] for h in trainer.state.log_history if key in h and h["step"] > after]
 
 
-def _train(rank, world_size, cfg, out_dir, save):
+def _train(rank, world_size, cfg, out_dir, save, resume=None):
     import msparallel_ds as msp
     from msparallel_ds.integrations.trainer import (
         MindFormersTrainer,
@@ -63,11 +65,15 @@ def _train(rank, world_size, cfg, out_dir, save):
     from msparallel_ds.tiny import tiny_llama
 
     args = training_arguments_from_yaml(cfg, output_dir=out_dir, save_strategy="steps" if save else "no",
-                                        save_steps=STEPS, **COMMON)
+                                        save_steps=SAVE_AT, **COMMON)
     rows = msp.make_plan(cfg).global_batch_size * STEPS
     trainer = MindFormersTrainer(model=tiny_llama(), args=args, train_dataset=MaskedTextWindows(rows),
                                  parallel_config=cfg)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
+    if resume:
+        # the log history restored from the checkpoint holds steps 1..SAVE_AT; this run logged the rest
+        return {"loss": _logged(trainer, "loss", SAVE_AT), "grad_norm": _logged(trainer, "grad_norm", SAVE_AT),
+                "restored": _logged(trainer, "loss")[:SAVE_AT]}
     if save:
         trainer.save_model(f"{out_dir}/final")
     eval_loss = trainer.evaluate(MaskedTextWindows(EVAL_ROWS))["eval_loss"]
@@ -98,9 +104,9 @@ def reference(cfg, out_dir, dataset=None, eval_dataset=None, **args):
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def _assert_close(got, want, what):
-    assert len(got) == len(want) == STEPS, (got, want)
-    for step, (g, w) in enumerate(zip(got, want)):
+def _assert_close(got, want, what, first=0):
+    assert len(got) == len(want) == STEPS - first, (got, want)
+    for step, (g, w) in enumerate(zip(got, want), start=first):
         rel = abs(g - w) / abs(w)
         assert rel <= RTOL, f"step {step + 1} {what}: {g} vs single process {w} (relative error {rel:.2e})"
 
@@ -129,13 +135,20 @@ def test_mindformers_trainer_logs_single_process_losses(name, tmp_path):
     if save:
         from transformers import LlamaForCausalLM
 
-        ckpt = tmp_path / "run" / f"checkpoint-{STEPS}"
-        assert (ckpt / "model.safetensors").exists() and (ckpt / f"global_step{STEPS}").is_dir(), list(ckpt.iterdir())
+        ckpt = tmp_path / "run" / f"checkpoint-{SAVE_AT}"
+        assert (ckpt / "model.safetensors").exists() and (ckpt / f"global_step{SAVE_AT}").is_dir(), list(ckpt.iterdir())
+        assert (ckpt / "msp_universal.pt").exists(), list(ckpt.iterdir())
         saved = LlamaForCausalLM.from_pretrained(tmp_path / "run" / "final")
         ids = MaskedTextWindows(2)[1]["input_ids"][None]
         with torch.no_grad():
             a, b = saved(input_ids=ids).logits, ref_model.eval()(input_ids=ids).logits
         assert (a - b).abs().max().item() < 1e-3 * b.abs().max().item()
+        resumed_cfg = tiny_config(dp=2, cp=2, algo="ulysses_cp", zero=2, bs=2)  # same global batch, new layout
+        resumed = run_distributed(_train, 4, resumed_cfg, str(tmp_path / "resumed"), False, str(ckpt), timeout=240)
+        for res in resumed:
+            assert len(res["loss"]) == STEPS - SAVE_AT, res
+            _assert_close(res["loss"], want_loss[SAVE_AT:], "resumed loss", first=SAVE_AT)
+            _assert_close(res["grad_norm"], want_norm[SAVE_AT:], "resumed grad norm", first=SAVE_AT)
 
 
 @pytest.mark.distributed

@@ -27,8 +27,10 @@ same data, order and hyperparameters:
 - Under cp each rank back-propagates its share of the tokens (sum / num_items_in_batch), DeepSpeed sums over
   dp x cp and divides by dp, the Trainer multiplies by dp: the update is d(sum over the global batch / tokens).
 - save_model writes a plain HF checkpoint of the FULL model (tp shards and ZeRO-3 partitions gathered; global
-  rank 0 writes); checkpoints also hold DeepSpeed's own files, and train(resume_from_checkpoint=...) under the
-  same layout continues with the losses of the uninterrupted run.
+  rank 0 writes). Each checkpoint-N folder also holds DeepSpeed's own files and msparallel_ds's layout-independent
+  checkpoint (msp_universal.pt, as engine.save writes it; not at ZeRO-3). train(resume_from_checkpoint=...)
+  loads the latter when present, so a run resumes under the same or ANOTHER YAML layout (same global batch) with
+  the losses of the uninterrupted run; the Trainer restores its own state, scheduler and RNG as usual.
 The DeepSpeed config's batch, accumulation and clipping entries are "auto": the TrainingArguments fill them. With
 TrainingArguments of your own, they decide the optimizer, schedule and clipping (only the per-device batch and
 the accumulation come from the YAML); training_arguments_from_yaml takes those from the YAML too.
@@ -161,6 +163,41 @@ class MindFormersTrainer(Trainer):
 
     def get_sp_size(self) -> int:
         return 1
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def _checkpoint_view(self):
+        """What msparallel_ds.checkpoint needs of an engine; the Trainer saves and restores its scheduler itself."""
+        from types import SimpleNamespace
+
+        return SimpleNamespace(ds=self.model_wrapped, layout=self.layout, model=self.model, lr_scheduler=None,
+                               global_steps=self.state.global_step)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)  # DeepSpeed's own files (same-layout resume)
+        if self.is_deepspeed_enabled and self.model_wrapped.zero_optimization_stage() < 3:
+            from ..checkpoint import save_checkpoint
+
+            save_checkpoint(self._checkpoint_view(), output_dir)
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """Trainer.train; a checkpoint with msp_universal.pt resumes under any layout (see the module docstring)."""
+        import transformers.trainer as hf_trainer
+
+        from ..checkpoint import FILE, load_checkpoint
+
+        deepspeed_load = hf_trainer.deepspeed_load_checkpoint
+
+        def load(engine, path, **load_kwargs):
+            if os.path.exists(os.path.join(path, FILE)):
+                load_checkpoint(self._checkpoint_view(), path)
+            else:
+                deepspeed_load(engine, path, **load_kwargs)
+
+        hf_trainer.deepspeed_load_checkpoint = load
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            hf_trainer.deepspeed_load_checkpoint = deepspeed_load
 
     # ------------------------------------------------------------------------------------------ saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
