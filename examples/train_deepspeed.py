@@ -34,7 +34,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     cfg = msp.load_config(args.config)
-    engine = msp.initialize(tiny_llama(), cfg, optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr))
+    engine = msp.initialize(tiny_llama, cfg, optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr))
     lay = engine.layout
     if lay.global_rank == 0:
         print(engine.plan.summary(), flush=True)

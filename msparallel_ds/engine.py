@@ -241,10 +241,13 @@ class Engine:
         return load_checkpoint(self, load_dir)
 
 
-def initialize(model: nn.Module, cfg, optimizer: OptimizerArg = None, *, layout=None, lr_scheduler=None,
-               deepspeed_config: Optional[Mapping[str, Any]] = None, timeout_s: Optional[float] = None) -> Engine:
+def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer: OptimizerArg = None, *,
+               layout=None, lr_scheduler=None, deepspeed_config: Optional[Mapping[str, Any]] = None,
+               timeout_s: Optional[float] = None) -> Engine:
     """Parallelize `model` for the YAML `cfg` (path, dict, YAML text or ParallelConfig) and wrap it in DeepSpeed
     with our mpu. Starts torch.distributed from the launcher's environment if the script has not.
+    `model` may be a zero-argument callable that builds it: it is called after the YAML has been checked against
+    the launched world size, so a wrong launch stops every rank with the message before any weights exist.
     `deepspeed_config` entries override the plan's DeepSpeed config (e.g. {"steps_per_print": 10})."""
     import deepspeed
 
@@ -258,6 +261,8 @@ def initialize(model: nn.Module, cfg, optimizer: OptimizerArg = None, *, layout=
     _ensure_distributed(timeout_s)
     if layout is None:  # a model from msp.from_pretrained / msp.parallelize brings its layout
         layout = getattr(model, "msp_layout", None) or init_parallel(cfg)
+    if not isinstance(model, nn.Module):
+        model = model()
     plan = layout.plan
     if layout.size("pp") > 1:  # torch.distributed.pipelining schedules (DeepSpeed's PipelineModule takes no mpu)
         from .pipeline.engine import initialize_pipeline

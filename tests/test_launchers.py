@@ -1,6 +1,9 @@
 """examples/train_deepspeed.py under torchrun and the deepspeed launcher (4 CPU processes, dp2 x tp2 + SP + vocab
-parallel) prints the same per-step losses as the plain single-process run of configs/tiny_dp1.yaml."""
+parallel) prints the same per-step losses as the plain single-process run of configs/tiny_dp1.yaml. Failures: a
+YAML for another world size stops every rank with the message before the model is built; a rank that raises
+mid-training stops the whole run quickly, naming the rank and the error."""
 import os
+import time
 import re
 import shutil
 import subprocess
@@ -41,3 +44,35 @@ def test_launcher_matches_single_process(launcher, single):
         cmd, env = [exe, "--num_gpus", "4", *SCRIPT, *cfg], {"DS_ACCELERATOR": "cpu"}
     got = _losses(cmd, **env)
     assert max(abs(a - b) / b for a, b in zip(got, single)) <= 1e-4, (got, single)
+
+
+def _world_size_mismatch(rank, world, config):
+    import msparallel_ds as msp
+
+    built = []
+    try:
+        msp.initialize(lambda: built.append(1), msp.load_config(config))
+    except msp.ConfigError as e:
+        return str(e), built
+    return None, built
+
+
+def test_world_size_mismatch_stops_before_the_model_is_built():
+    from harness import run_distributed
+
+    results = run_distributed(_world_size_mismatch, 2, str(ROOT / "configs" / "tiny_dp2_tp2.yaml"), timeout=120)
+    for message, built in results:
+        assert message and "world_size=2 does not equal" in message and "data_parallel" in message, message
+        assert built == []  # the model factory never ran
+
+
+def test_a_failing_rank_stops_every_rank():
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
+                          "tests/scripts/fail_one_rank.py", "configs/tiny_dp2_tp2.yaml"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    elapsed = time.monotonic() - start
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out[-3000:]
+    assert "injected failure on rank 1" in out and re.search(r"rank\s*:\s*1\b", out), out[-3000:]
+    assert elapsed < 120, f"the run took {elapsed:.0f} s to stop"
