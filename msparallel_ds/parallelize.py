@@ -62,3 +62,14 @@ def parallelize(model: nn.Module, layout, *, sequence_parallel: Optional[bool] =
         install(model, copies, chunks, copy_loss=copy_loss)
     model.msp_layout = layout
     return model
+
+
+class _CallableModule(__import__("types").ModuleType):
+    """`msp.parallelize` must stay the function after this submodule is imported (importing it binds the package
+    attribute `parallelize` to the module, which would bypass the package's lazy __getattr__)."""
+
+    def __call__(self, *args, **kwargs):
+        return parallelize(*args, **kwargs)
+
+
+__import__("sys").modules[__name__].__class__ = _CallableModule

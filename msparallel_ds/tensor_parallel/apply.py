@@ -213,6 +213,7 @@ def tp_parallelize(model: nn.Module, layout, *, sequence_parallel: bool = False,
             continue
         if style == "sequence_scatter_input":
             _map_hidden_input(module, lambda x: scatter_to_region(x, group, SEQ_DIM))
+            module.msp_sequence_scatter_group = group  # for schedules that bypass the layer's call (interleave)
             continue
         if style == "sequence_gather_input":
             _map_hidden_input(module, lambda x: gather_from_sequence_region(x, group, SEQ_DIM))
