@@ -3,6 +3,8 @@
     torchrun --nproc_per_node 4 examples/train_deepspeed.py --config configs/tiny_dp2_tp2.yaml --max-steps 5
     deepspeed --num_gpus 4 examples/train_deepspeed.py --config configs/tiny_dp2_tp2.yaml --max-steps 5
     python examples/train_deepspeed.py --config configs/tiny_dp1.yaml --max-steps 5     # one process
+    torchrun ... --save-dir ckpt --save-every 2      # engine.save every 2 steps (a kill leaves the last one intact)
+    torchrun ... --config OTHER.yaml --resume ckpt   # continue from it under any layout with the same global batch
     torchrun --nproc_per_node 4 examples/train_deepspeed.py --config configs/tiny_pp2.yaml --max-steps 5  # pipeline
 
 The same script runs pipeline parallel (pipeline_stage > 1): msp.initialize returns the pipeline engine and
@@ -29,6 +31,9 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=10)
     ap.add_argument("--seq", type=int, default=64, help="tokens per row")
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--save-dir", default=None, help="engine.save here every --save-every steps")
+    ap.add_argument("--save-every", type=int, default=1)
+    ap.add_argument("--resume", default=None, help="engine.load this checkpoint and continue after its step")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
     args = ap.parse_args()
 
@@ -38,10 +43,15 @@ def main() -> None:
     lay = engine.layout
     if lay.global_rank == 0:
         print(engine.plan.summary(), flush=True)
+    done = engine.load(args.resume)["global_steps"] if args.resume else 0
     for step, batch in enumerate(text_batches(args.max_steps, engine.plan.global_batch_size, args.seq)):
+        if step < done:  # the same data order as the uninterrupted run
+            continue
         loss = engine.train_batch(dp_rows(batch, lay))
         if lay.global_rank == 0:
             print(f"step {step + 1} loss {loss.item():.6f}", flush=True)
+        if args.save_dir and (step + 1) % args.save_every == 0:
+            engine.save(args.save_dir)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """examples/train_deepspeed.py under torchrun and the deepspeed launcher (4 CPU processes, dp2 x tp2 + SP + vocab
 parallel) prints the same per-step losses as the plain single-process run of configs/tiny_dp1.yaml. Failures: a
 YAML for another world size stops every rank with the message before the model is built; a rank that raises
-mid-training stops the whole run quickly, naming the rank and the error."""
+mid-training stops the whole run quickly, naming the rank and the error; a run killed (SIGKILL) after saving
+resumes under another layout with the uninterrupted run's losses."""
+import signal
 import os
 import time
 import re
@@ -17,12 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ["examples/train_deepspeed.py", "--max-steps", "3"]
 
 
-def _losses(cmd, **env):
+def _losses(cmd, steps=3, **env):
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     losses = [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", run.stdout, re.M)]
-    assert len(losses) == 3, run.stdout[-2000:]
+    assert len(losses) == steps, run.stdout[-2000:]
     return losses
 
 
@@ -76,3 +78,44 @@ def test_a_failing_rank_stops_every_rank():
     assert run.returncode != 0, out[-3000:]
     assert "injected failure on rank 1" in out and re.search(r"rank\s*:\s*1\b", out), out[-3000:]
     assert elapsed < 120, f"the run took {elapsed:.0f} s to stop"
+
+
+def _kill_matching(text):
+    """SIGKILL every process whose command line contains `text` (Linux /proc)."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().decode(errors="replace"):
+                os.kill(int(cmdline.parent.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass  # gone already
+
+
+def test_killed_run_resumes_under_another_layout(tmp_path):
+    """dp2 x tp2 saves every 2 steps and is SIGKILLed once a checkpoint exists; tp1 x dp1 resumes it and prints the
+    uninterrupted single-process run's losses for the following steps."""
+    import torch
+
+    from msparallel_ds.checkpoint import FILE
+
+    ckpt = tmp_path / "ckpt"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4"]
+    proc = subprocess.Popen([*torchrun, "examples/train_deepspeed.py", "--config", "configs/tiny_dp2_tp2.yaml",
+                             "--max-steps", "1000", "--save-dir", str(ckpt), "--save-every", "2"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 240
+    try:
+        while not (ckpt / FILE).exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before saving"
+            time.sleep(0.2)
+    finally:  # torchrun starts its workers in sessions of their own: kill every process of this run
+        _kill_matching(str(ckpt))
+        proc.wait()
+    done = torch.load(ckpt / FILE, map_location="cpu", weights_only=True)["global_steps"]
+    assert done >= 2 and done % 2 == 0
+    steps = done + 2
+    single = [sys.executable, *SCRIPT[:1], "--max-steps", str(steps), "--config", "configs/tiny_dp1.yaml"]
+    want = _losses(single, steps)[done:]
+    got = _losses([sys.executable, *SCRIPT[:1], "--max-steps", str(steps), "--config", "configs/tiny_dp1.yaml",
+                   "--resume", str(ckpt)], 2)
+    assert max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-5, (got, want)
