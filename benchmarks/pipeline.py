@@ -1,0 +1,170 @@
+"""Pipeline bubble and step time per schedule (gpipe, 1f1b, interleaved 1F1B v=2, zero_bubble_v), through
+msp.initialize on CPU processes, next to the theory.
+
+Every decoder layer gets a FIXED cost: it sleeps t_f in forward, t_b in the backward for its input and t_w in the
+backward for its weights (separate autograd paths, so zero-bubble schedules can run the weight part later; the
+others run both in one backward). Sleeping uses no CPU, so 4 processes on 2 shared cores keep exact,
+reproducible stage costs (real compute would be slowed unevenly by the other ranks and the machine's load); the
+tiny model's own compute and the gloo transfers are real and count as overhead. Per rank:
+  busy   = time measured inside the layer costs during the step (perf_counter around each sleep)
+  bubble = 1 - busy / step time        (idle waiting for neighbours + communication + Python overhead)
+Theory, p stages, m micro-batches, v virtual chunks, F = B = W: gpipe and 1F1B (p-1)/(m+p-1); interleaved 1F1B
+((p-1)/v)/(m+(p-1)/v); zero_bubble_v about 0 for m >= 2p (ZB-V paper; its schedule still has a small warm-up).
+Benchmarks are not tests: nothing is asserted.
+
+    python benchmarks/pipeline.py                  # pp 4 on 4 processes, m 8, writes results/pipeline_cpu.json
+    python benchmarks/pipeline.py --pp 2 --micro 4 --cost-ms 20
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import statistics
+import time
+
+SCHEDULES = {  # name -> (pipeline_scheduler, virtual chunks)
+    "gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved_1f1b_v2": ("1f1b", 2), "zero_bubble_v": ("zero_bubble_v", 2),
+}
+
+
+def theory(name: str, p: int, m: int) -> float:
+    v = SCHEDULES[name][1]
+    if name == "zero_bubble_v":
+        return 0.0
+    return ((p - 1) / v) / (m + (p - 1) / v)
+
+
+def yaml(pp: int, m: int, sched: str, vpp: int, layers: int) -> dict:
+    return {"parallel_config": {"data_parallel": 1, "pipeline_stage": pp, "micro_batch_num": m},
+            "parallel": {"pipeline_config": {"pipeline_interleave": vpp > 1, "pipeline_scheduler": sched}},
+            "runner_config": {"batch_size": 1},
+            "model": {"model_config": {"num_layers": layers, "pp_interleave_num": vpp, "num_heads": 4,
+                                       "n_kv_heads": 2, "hidden_size": 64, "vocab_size": 256}}}
+
+
+def _add_fixed_cost(layer, t_f: float, t_b: float, t_w: float, busy: list) -> None:
+    import torch
+
+    class Cost(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, fwd, bwd):
+            ctx.bwd = bwd
+            _sleep(fwd)
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            _sleep(ctx.bwd)
+            return g, None, None
+
+    def _sleep(seconds):
+        if seconds:
+            t = time.perf_counter()
+            time.sleep(seconds)
+            busy[0] += time.perf_counter() - t
+
+    inner = layer.forward
+
+    def forward(hidden_states, *args, **kwargs):
+        return inner(Cost.apply(hidden_states, t_f, t_b), *args, **kwargs)
+
+    layer.forward = forward
+    down = layer.mlp.down_proj  # a weight used once: its gradient path alone carries t_w
+
+    def down_forward(x):
+        return torch.nn.functional.linear(x, Cost.apply(down.weight, 0.0, t_w), down.bias)
+
+    down.forward = down_forward
+
+
+def _worker(rank, world, port, args, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    import torch
+    import torch.distributed as dist
+
+    import msparallel_ds as msp
+    from msparallel_ds.tiny import tiny_llama
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cost = args.cost_ms / 1000
+    results = {}
+    for name, (sched, vpp) in SCHEDULES.items():
+        layers = args.pp * 2  # 2 layers per rank: one per chunk at v = 2
+        engine = msp.initialize(tiny_llama(num_hidden_layers=layers), msp.load_config(
+            yaml(args.pp, args.micro, sched, vpp, layers)),
+            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+        busy = [0.0]
+        for layer in engine.model.model.layers.values():
+            _add_fixed_cost(layer, cost, cost, cost, busy)
+        ids = torch.randint(0, 256, (args.micro, args.seq), generator=torch.Generator().manual_seed(0))
+        steps, fractions = [], []
+        for i in range(args.warmup + args.steps):
+            dist.barrier()
+            busy[0] = 0.0
+            t = time.perf_counter()
+            engine.train_batch({"input_ids": ids})
+            dt = time.perf_counter() - t
+            if i >= args.warmup:
+                steps.append(dt)
+                fractions.append(1 - busy[0] / dt)
+        if rank == 0:
+            print(f"{name}: step {statistics.median(steps):.3f} s", file=sys.stderr, flush=True)
+        results[name] = {"step_s": statistics.median(steps), "bubble": statistics.median(fractions),
+                         "busy_s": busy[0]}
+    out.put((rank, results))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--micro", type=int, default=8, help="micro_batch_num")
+    ap.add_argument("--cost-ms", type=float, default=10.0, help="per layer and micro-batch: F = B = W cost")
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline_cpu.json"))
+    args = ap.parse_args()
+
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_worker, args=(r, args.pp, port, args, q)) for r in range(args.pp)]
+    for p in procs:
+        p.start()
+    per_rank = dict(q.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join()
+    p_, m = args.pp, args.micro
+    ideal = 2 * m * 3 * args.cost_ms / 1000  # 2 layers per rank x m micro-batches x (F + B + W)
+    rows = []
+    for name in SCHEDULES:
+        ranks = [per_rank[r][name] for r in range(args.pp)]
+        rows.append({"schedule": name, "virtual_chunks": SCHEDULES[name][1],
+                     "step_s": max(r["step_s"] for r in ranks),
+                     "bubble_measured_mean": statistics.mean(r["bubble"] for r in ranks),
+                     "bubble_measured_per_rank": [round(r["bubble"], 4) for r in ranks],
+                     "bubble_theory": theory(name, p_, m), "ideal_step_s": ideal})
+    print(f"pp={p_} micro_batch_num={m} cost F=B=W={args.cost_ms} ms/layer, 2 layers per rank, "
+          f"ideal busy step {ideal:.3f} s")
+    print(f"{'schedule':22s} {'step s':>8s} {'bubble meas.':>13s} {'theory':>8s}  per rank")
+    for r in rows:
+        print(f"{r['schedule']:22s} {r['step_s']:8.3f} {r['bubble_measured_mean']:13.3f} {r['bubble_theory']:8.3f}  "
+              f"{r['bubble_measured_per_rank']}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"config": vars(args), "device": "cpu (gloo)", "rows": rows}, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
