@@ -15,6 +15,9 @@ What train_batch does, and why:
   global position_ids, doc_ids for packed rows). tp ranks of one dp rank must be fed the same batch.
 - The returned loss is the global-batch mean on every rank (sum all-reduced over dp x cp; tp peers agree).
 
+With parallel_config.pipeline_stage > 1, msp.initialize returns msparallel_ds.pipeline.engine.PipelineEngine instead
+(torch.distributed.pipelining schedules; same train_batch / save / load / save_pretrained surface and loss semantics).
+
 Precision follows the YAML (bf16/fp16 through DeepSpeed) on GPU; on CPU the run is fp32 (a warning says so).
 The optimizer is a torch optimizer: a callable params -> Optimizer (recommended, it sees the sharded
 parameters), an Optimizer built on the parallelized model, or None for the YAML's optimizer section as
