@@ -1,0 +1,202 @@
+"""Multi-copy (micro_batch_interleave_num) and fine-grain interleave: step time and how much of the hideable
+communication time they hide, on tp ranks with sequence parallel.
+
+A Llama built from LlamaConfig (no download) runs forward + backward (HF loss) on --world processes (gloo, tp =
+world, use_seq_parallel), every variant on the same token ids and weights:
+  baseline      msp.parallelize without the feature (blocking collectives in the HF layer calls)
+  N=1           the interleave schedule with one copy (async collectives; the input-grad collective overlaps the
+                weight-grad GEMMs; nothing else to overlap with)
+  N=2, N=4      micro_batch_interleave_num copies
+  fine_grain=2  fine_grain_interleave with 2 token chunks, one copy
+Two links:
+  real          gloo as is. On a CPU machine its threads share the cores with compute, so little can be hidden.
+  modelled      every collective completes no earlier than alpha + bus_bytes / bandwidth after it started, by
+                sleeping (comm.modelled_link): a link that costs no CPU, like a GPU's. Unless --bandwidth is given it
+                is calibrated so the baseline's modelled communication time equals its compute time.
+Hidden fraction = (baseline step - variant step) / min(compute, comm), the baseline's compute being its step time
+without the modelled link minus the time it blocked in collectives, and comm the modelled (or, for the real link,
+the blocked) collective time per step. 1.0 = everything hideable was hidden; the speedup bound is 2x.
+
+Timing: --repeats rounds, the variant order rotated per round; each round times --steps steps per variant after a
+warm-up step (barrier before each step, the slowest rank's time) and keeps their median; reported: the median over
+rounds of the step time, and of the per-round speedup and hidden fraction against that round's baseline (other
+load on a shared machine moves whole rounds, which the per-round ratios cancel). The JSON keeps every round.
+
+    python benchmarks/interleave.py                        # 2 CPU processes, writes results/interleave_cpu.json
+    python benchmarks/interleave.py --alpha 50e-6 --bandwidth 2e8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+VARIANTS = [("baseline", 0, 1), ("N=1", 1, 1), ("N=2", 2, 1), ("N=4", 4, 1), ("fine_grain=2", 1, 2)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(a):
+    return {
+        "parallel_config": {"data_parallel": 1, "model_parallel": a.world, "context_parallel": 1, "pipeline_stage": 1,
+                            "use_seq_parallel": True, "vocab_emb_dp": True},
+        "runner_config": {"batch_size": a.rows},
+        "model": {"model_config": {"num_layers": a.layers, "num_heads": a.heads, "n_kv_heads": a.kv_heads,
+                                   "hidden_size": a.hidden, "seq_length": a.seq, "vocab_size": a.vocab,
+                                   "compute_dtype": "float32", "param_init_type": "float32"}},
+    }
+
+
+def _model(a):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
+                      num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, max_position_embeddings=a.seq,
+                      attention_dropout=0.0, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).float()
+
+
+def _worker(rank, a, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    import msparallel_ds as msp
+    from msparallel_ds.interleave.multi_copy import install
+    from msparallel_ds.tensor_parallel.comm import comm_stats, modelled_link
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=a.world)
+    layout = msp.init_parallel(msp.load_config(_config(a)))
+    models = {}
+    for name, copies, chunks in VARIANTS:
+        model = msp.parallelize(_model(a), layout)
+        if copies:
+            install(model, copies, chunks)
+        models[name] = model.train()
+    ids = torch.randint(0, a.vocab, (a.rows, a.seq), generator=torch.Generator().manual_seed(1))
+
+    def step(model):
+        dist.barrier()
+        t0 = time.perf_counter()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        t = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        model.zero_grad(set_to_none=True)
+        return t.item()
+
+    def timed(link):
+        """Per round, the median step time of each variant: {variant: [round medians]}."""
+        times = {name: [] for name, _, _ in VARIANTS}
+        for r in range(a.repeats):
+            order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+            for name, _, _ in order:
+                with (modelled_link(*link) if link else _null()):
+                    step(models[name])
+                    times[name].append(statistics.median(step(models[name]) for _ in range(a.steps)))
+        return times
+
+    # the baseline's compute and collectives without the modelled link
+    step(models["baseline"])
+    base_off, blocked, counts = [], [], None
+    for _ in range(a.steps * 2):
+        with comm_stats() as st:
+            base_off.append(step(models["baseline"]))
+        blocked.append(st["blocked_s"])
+        counts = (st["collectives"], st["bus_bytes"])
+    t_off, t_blocked = statistics.median(base_off), statistics.median(blocked)
+    compute = t_off - t_blocked
+    n_coll, nbytes = counts
+    bw = a.bandwidth or nbytes / max(compute - n_coll * a.alpha, 1e-6)
+    link = torch.tensor([a.alpha, bw])
+    dist.broadcast(link, 0)  # one link model for every rank
+    alpha, bw = link.tolist()
+    with modelled_link(alpha, bw), comm_stats() as st:
+        step(models["baseline"])
+    comm_modelled = st["modelled_s"]
+
+    results = {"real": timed(None), "modelled": timed((alpha, bw))}
+    if rank == 0:
+        out.put({"compute_s": compute, "blocked_real_s": t_blocked, "collectives_per_step": n_coll,
+                 "bus_bytes_per_step": nbytes, "alpha_s": alpha, "bandwidth_Bps": bw,
+                 "comm_modelled_s": comm_modelled, "step_s": results})
+    dist.destroy_process_group()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2, help="processes = tp size (use_seq_parallel)")
+    p.add_argument("--hidden", type=int, default=384)
+    p.add_argument("--ffn", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--rows", type=int, default=4, help="rows of one micro-batch (divisible by 4)")
+    p.add_argument("--alpha", type=float, default=50e-6, help="modelled link latency per collective, seconds")
+    p.add_argument("--bandwidth", type=float, default=None,
+                   help="modelled link bytes/s; default: calibrated so modelled comm = the baseline's compute")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "interleave_cpu.json"))
+    a = p.parse_args(argv)
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, a, port, q)) for r in range(a.world)]
+    for pr in procs:
+        pr.start()
+    res = q.get(timeout=3600)
+    for pr in procs:
+        pr.join()
+
+    hide_by = {"real": min(res["compute_s"], res["blocked_real_s"]),
+               "modelled": min(res["compute_s"], res["comm_modelled_s"])}
+    rows = []
+    for link, times in res["step_s"].items():  # per-round ratios against the same round's baseline, then medians
+        base = times["baseline"]
+        for name, _, _ in VARIANTS:
+            t = times[name]
+            rows.append({"link": link, "variant": name, "step_s": statistics.median(t),
+                         "speedup": statistics.median(b / x for b, x in zip(base, t)),
+                         "hidden_fraction": statistics.median((b - x) / hide_by[link] for b, x in zip(base, t)),
+                         "rounds_step_s": t})
+    res.update(rows=rows, hideable_s=hide_by, args=vars(a))
+    print(f"tp={a.world} + SP, {a.layers} layers, hidden {a.hidden}, seq {a.seq}, {a.rows} rows; compute "
+          f"{res['compute_s'] * 1e3:.0f} ms/step, real gloo blocked {res['blocked_real_s'] * 1e3:.0f} ms, modelled "
+          f"comm {res['comm_modelled_s'] * 1e3:.0f} ms ({res['collectives_per_step']} collectives, "
+          f"{res['bus_bytes_per_step'] / 1e6:.1f} MB bus; alpha {res['alpha_s'] * 1e6:.0f} us, "
+          f"{res['bandwidth_Bps'] / 1e6:.0f} MB/s)")
+    print(f"{'link':9} {'variant':13} {'step ms':>8} {'speedup':>8} {'hidden':>7}")
+    for r in rows:
+        print(f"{r['link']:9} {r['variant']:13} {r['step_s'] * 1e3:8.1f} {r['speedup']:8.2f} "
+              f"{r['hidden_fraction'] * 100:6.0f}%")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
