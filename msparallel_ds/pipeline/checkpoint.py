@@ -14,10 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import checkpoint as _ck
-from ..checkpoint import FILE, FORMAT, _ensure_adam_state, _optimizer_keys
-
-_tp_slice = getattr(_ck, "tp_slice", None) or getattr(_ck, "_tp_slice")
+from ..checkpoint import FILE, FORMAT, _ensure_adam_state, _fit, _optimizer_keys, _read_for_layout, atomic_save
 
 __all__ = ["gather_pipeline_state_dict", "load_pipeline_checkpoint", "save_pipeline_checkpoint"]
 
@@ -101,33 +98,22 @@ def save_pipeline_checkpoint(engine, save_dir: str) -> None:
                   "global_steps": engine.global_steps,
                   "lr_scheduler": sched.state_dict() if sched is not None else None,
                   "model_config": config.to_dict() if hasattr(config, "to_dict") else None}
-        os.makedirs(save_dir, exist_ok=True)
-        save = getattr(_ck, "atomic_save", None) or (lambda obj, path: torch.save(obj, path))
-        save(record, os.path.join(save_dir, FILE))
+        atomic_save(record, os.path.join(save_dir, FILE))
     dist.barrier()
 
 
 def load_pipeline_checkpoint(engine, load_dir: str) -> dict[str, Any]:
     layout, base = engine.layout, _base(engine.optimizer)
-    path = os.path.join(load_dir, FILE)
-    if hasattr(_ck, "_read_for_layout"):  # also reads folders pre-sliced per (pp, tp) by convert-checkpoint
-        ck, sliced = _ck._read_for_layout(load_dir, layout)
-    else:
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no msparallel_ds checkpoint at {path} (write one with engine.save(dir))")
-        ck, sliced = torch.load(path, map_location="cpu", mmap=True, weights_only=True), False
-        if ck.get("format") != FORMAT:
-            raise ValueError(f"{path}: unknown checkpoint format {ck.get('format')!r} (expected {FORMAT})")
+    ck, sliced = _read_for_layout(load_dir, layout)  # engine.save's file, or convert-checkpoint's per-(pp, tp) one
     keys = _optimizer_keys(base)
     names = [n for n, _ in engine.model.named_parameters()]
     missing = sorted(set(names) - set(ck["params"]))
     if missing:
-        raise ValueError(f"{path} does not match this model: missing {missing[:5]}")
+        raise ValueError(f"{load_dir} does not match this model: missing {missing[:5]}")
     _ensure_adam_state(base, keys, ck["optimizer_step"])
     with torch.no_grad():
         for name, p in engine.model.named_parameters():
-            rec = {k: _ck._fit(v, p, layout, True) if sliced else _tp_slice(v, p, layout)
-                   for k, v in ck["params"][name].items()}
+            rec = {k: _fit(v, p, layout, sliced) for k, v in ck["params"][name].items()}
             p.copy_(rec["fp32"].to(p.dtype))
             if p in base.state:  # ZeRO-1: only this rank's shard of the optimizer state lives here
                 for k in keys:
