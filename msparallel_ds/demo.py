@@ -36,10 +36,10 @@ def _adamw(plan):
     """The YAML's AdamW as msp.initialize builds it, or the demo's default when the YAML has no optimizer section."""
     import torch
 
-    from msparallel_ds.engine import _torch_optimizer
+    from msparallel_ds.runtime import torch_optimizer
 
     if plan.optimizer:
-        return _torch_optimizer(plan)
+        return torch_optimizer(plan)
     return lambda params: torch.optim.AdamW(params, **DEFAULT_ADAMW)
 
 

@@ -25,8 +25,6 @@ torch.optim.AdamW (DeepSpeed's fused optimizers would need a C++/CUDA build).
 """
 from __future__ import annotations
 
-import os
-import warnings
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
@@ -34,74 +32,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import runtime
+
 __all__ = ["Engine", "initialize"]
 
 IGNORE_INDEX = -100
 OptimizerArg = Union[None, torch.optim.Optimizer, Callable[[list], torch.optim.Optimizer]]
 
 
-def _ensure_distributed(timeout_s: Optional[float]) -> None:
-    """Under torchrun / the deepspeed launcher / accelerate launch the env holds RANK etc.; start the default
-    group with the device's backend if the script has not (gloo on CPU, where DeepSpeed would pick none)."""
-    if dist.is_available() and dist.is_initialized():
-        return
-    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
-    import deepspeed
-    from datetime import timedelta
+def token_loss_sum(logits: Tensor, targets: Tensor, lm_head: Optional[nn.Module]) -> Tensor:
+    """Sum of the token cross-entropies (ignored labels skipped), in fp32; vocab-parallel logits [..., V/tp] when the
+    head is a vocab-parallel lm_head."""
+    if getattr(lm_head, "tp", 1) > 1 and hasattr(lm_head, "gather_logits"):
+        from .tensor_parallel.vocab import vocab_parallel_cross_entropy
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
-    deepspeed.init_distributed(dist_backend=backend, **kwargs)
-
-
-def _device(layout) -> torch.device:
-    if layout.device_type == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    return torch.device(layout.device_type)
-
-
-def _torch_optimizer(plan) -> Callable[[list], torch.optim.Optimizer]:
-    spec = plan.optimizer
-    if not spec:
-        raise ValueError("msp.initialize: no optimizer given and the YAML has no `optimizer:` section; pass "
-                         "optimizer=lambda params: torch.optim.AdamW(params, lr=...)")
-    if spec["type"] != "AdamW":
-        raise ValueError(f"optimizer.type={spec.get('mindformers_type', spec['type'])!r}: only AdamW maps to a "
-                         "torch optimizer here; pass optimizer=lambda params: ... to msp.initialize")
-    params = dict(spec["params"])
-    params["betas"] = tuple(params.get("betas", (0.9, 0.999)))
-    return lambda p: torch.optim.AdamW(p, **params)
-
-
-def _deepspeed_config(plan, layout, *, overrides: Optional[Mapping]) -> dict:
-    ds = plan.to_deepspeed()
-    ds.pop("optimizer", None)  # always a torch optimizer (DeepSpeed's fused ones need a native build)
-    if layout.device_type != "cuda":
-        for key in ("bf16", "fp16"):
-            if ds.pop(key, None):
-                warnings.warn(f"model.model_config.compute_dtype={plan.config.model.compute_dtype}: running in "
-                              "float32 on CPU (DeepSpeed's half-precision paths need an accelerator)", stacklevel=3)
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if stage == 3 and layout.size("tp") * layout.size("cp") > 1:
-        raise ValueError(
-            "parallel.parallel_optimizer_config.optimizer_level=level3 (ZeRO-3) does not compose with "
-            f"parallel_config.model_parallel={layout.size('tp')} / context_parallel={layout.size('cp')} here: ZeRO-3 "
-            "re-partitions the tensor-parallel shards (and their gradient hooks), and DeepSpeed 0.19's ZeRO-3 "
-            "averages gradients over dp x cp inconsistently with a sequence-parallel mpu (measured: wrong updates). "
-            "Use level1 or level2 (ZeRO-1/2) with model_parallel/context_parallel > 1, or level3 with data_parallel "
-            "only")
-    ds.update(overrides or {})
-    return ds
-
-
-def _disable_inference_shm_build() -> None:
-    """On CPU deepspeed.initialize would JIT-compile its shm all-reduce op (about a minute); that op only serves
-    inference_all_reduce, never training. deepspeed.ops keeps this dict as its cache of op availability."""
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        return vocab_parallel_cross_entropy(logits, targets, lm_head.group, IGNORE_INDEX, "sum")
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
 
 
 class Engine:
@@ -163,13 +110,7 @@ class Engine:
         return inputs, targets
 
     def _token_loss_sum(self, logits: Tensor, targets: Tensor) -> Tensor:
-        head = getattr(self.model, "lm_head", None)
-        if getattr(head, "tp", 1) > 1 and hasattr(head, "gather_logits"):  # vocab-parallel: logits [..., V/tp]
-            from .tensor_parallel.vocab import vocab_parallel_cross_entropy
-
-            return vocab_parallel_cross_entropy(logits, targets, head.group, IGNORE_INDEX, "sum")
-        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+        return token_loss_sum(logits, targets, getattr(self.model, "lm_head", None))
 
     def train_batch(self, batch: Mapping[str, Any]) -> Tensor:
         """One optimizer step on this dp rank's share of the global batch; returns the global-batch mean loss
@@ -260,8 +201,8 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer:
 
     cfg = cfg if isinstance(cfg, ParallelConfig) else load_config(cfg)
     if not torch.cuda.is_available():  # before deepspeed.init_distributed, which would build the op on CPU
-        _disable_inference_shm_build()
-    _ensure_distributed(timeout_s)
+        runtime.disable_inference_shm_build()
+    runtime.ensure_distributed(timeout_s)
     if layout is None:  # a model from msp.from_pretrained / msp.parallelize brings its layout
         layout = getattr(model, "msp_layout", None) or init_parallel(cfg)
     if not isinstance(model, nn.Module):
@@ -275,13 +216,13 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer:
                              "not use; drop them (the YAML drives the pipeline engine)")
         return initialize_pipeline(model, layout, optimizer, lr_scheduler=lr_scheduler)
     model = parallelize(model, layout)
-    model.to(_device(layout))
-    ds_config = _deepspeed_config(plan, layout, overrides=deepspeed_config)
+    model.to(runtime.training_device(layout))
+    ds_config = runtime.deepspeed_config(plan, layout, overrides=deepspeed_config)
     params = [p for p in model.parameters() if p.requires_grad]
     if isinstance(optimizer, torch.optim.Optimizer):
         opt = optimizer
     else:
-        opt = (optimizer or _torch_optimizer(plan))(params)
+        opt = (optimizer or runtime.torch_optimizer(plan))(params)
     ds_engine, _, _, sched = deepspeed.initialize(model=model, optimizer=opt, model_parameters=params,
                                                    config=ds_config, mpu=layout.mpu(), lr_scheduler=lr_scheduler)
     return Engine(ds_engine, layout, plan, sched)

@@ -140,13 +140,13 @@ def test_zero3_with_tp_or_cp_is_a_clear_error(mesh):
     from types import SimpleNamespace
 
     import msparallel_ds as msp
-    from msparallel_ds.engine import _deepspeed_config
+    from msparallel_ds.runtime import deepspeed_config
 
     plan = msp.make_plan(msp.load_config(tiny_config(zero=3, **mesh)), world_size=4)
     sizes = {"tp": mesh.get("tp", 1), "cp": mesh.get("cp", 1)}
     layout = SimpleNamespace(size=lambda n: sizes.get(n, 1), device_type="cpu")
     with pytest.raises(ValueError, match="optimizer_level=level3 .ZeRO-3. does not compose with .*model_parallel="):
-        _deepspeed_config(plan, layout, overrides=None)
+        deepspeed_config(plan, layout, overrides=None)
 
 
 def test_reference_is_sensitive_to_the_loss_mean():

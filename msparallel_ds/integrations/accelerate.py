@@ -232,11 +232,7 @@ class MindFormersAccelerator(Accelerator):
     def __init__(self, config: Any = None, *, deepspeed_config: Mapping[str, Any] | None = None,
                  **accelerator_kwargs):
         from ..distributed.layout import init_parallel
-        from ..engine import (
-            _deepspeed_config,
-            _disable_inference_shm_build,
-            _ensure_distributed,
-        )
+        from .. import runtime
 
         for key in _REFUSED:
             if accelerator_kwargs.get(key) is not None:
@@ -254,8 +250,8 @@ class MindFormersAccelerator(Accelerator):
         if cuda:  # before any NCCL group (the layout's DeviceMesh is built before accelerate's state)
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         else:
-            _disable_inference_shm_build()  # before deepspeed's comm backend starts: a 1-minute JIT build otherwise
-        _ensure_distributed(init.timeout.total_seconds() if init is not None and init.timeout else None)
+            runtime.disable_inference_shm_build()  # before deepspeed's comm backend starts: a 1-minute JIT build otherwise
+        runtime.ensure_distributed(init.timeout.total_seconds() if init is not None and init.timeout else None)
         _repair_partial_state()
         layout = init_parallel(cfg)
         plan = layout.plan
@@ -266,7 +262,7 @@ class MindFormersAccelerator(Accelerator):
                              "micro-batches across stages). Use engine = msp.initialize(model, cfg, optimizer=...) "
                              "and engine.train_batch(batch) under torchrun or the deepspeed launcher (example: "
                              "examples/train_deepspeed.py --config configs/tiny_pp2.yaml), or set pipeline_stage: 1")
-        ds = _deepspeed_config(plan, layout, overrides=deepspeed_config)
+        ds = runtime.deepspeed_config(plan, layout, overrides=deepspeed_config)
         wanted = {"bf16": "bf16", "fp16": "fp16"}.get(plan.compute_dtype, "no") if cuda else "no"
         given = accelerator_kwargs.pop("mixed_precision", None)
         if given is not None and str(given) not in ("no", wanted):
@@ -303,9 +299,9 @@ class MindFormersAccelerator(Accelerator):
     # ------------------------------------------------------------------------------------------ helpers
     def yaml_optimizer(self, params) -> torch.optim.Optimizer:
         """The YAML's `optimizer:` section as a torch optimizer (AdamW) over `params`."""
-        from ..engine import _torch_optimizer
+        from ..runtime import torch_optimizer
 
-        return _torch_optimizer(self.plan)(list(params))
+        return torch_optimizer(self.plan)(list(params))
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss` (this rank's micro-batch mean, as model(**batch).loss returns it) averaged over the dp replicas:

@@ -74,7 +74,7 @@ def training_arguments_from_yaml(config: Any = None, output_dir: str = "trainer_
     path in MSPARALLEL_CONFIG). `overrides` are TrainingArguments fields and win. Half precision (bf16/fp16 from
     compute_dtype) only on GPU. Run where the processes are launched: the world size (WORLD_SIZE) is checked
     against the YAML's."""
-    from ..engine import _disable_inference_shm_build
+    from ..runtime import disable_inference_shm_build
     from ..export.trainer import training_arguments_kwargs
     from ..plan import make_plan
 
@@ -83,7 +83,7 @@ def training_arguments_from_yaml(config: Any = None, output_dir: str = "trainer_
     plan = make_plan(cfg, world_size=world)
     cuda = torch.cuda.is_available()
     if not cuda:
-        _disable_inference_shm_build()  # TrainingArguments(deepspeed=...) starts DeepSpeed's comm: no JIT build
+        disable_inference_shm_build()  # TrainingArguments(deepspeed=...) starts DeepSpeed's comm: no JIT build
     kwargs = training_arguments_kwargs(plan, output_dir, gpu=cuda, deepspeed=deepspeed, **overrides)
     with _without_launcher_deepspeed_fields():
         return TrainingArguments(**kwargs)

@@ -28,7 +28,6 @@ from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..context_parallel.batch import IGNORE_INDEX, shard_batch, shift_labels
@@ -49,12 +48,12 @@ def _drop_other_modules(model: nn.Module, view: nn.Module) -> None:
 
 def _optimizer_parts(optimizer, plan):
     """(optimizer class, its defaults) from a callable params -> Optimizer, an Optimizer, or None (the YAML's)."""
-    from ..engine import _torch_optimizer
+    from ..runtime import torch_optimizer
 
     if isinstance(optimizer, torch.optim.Optimizer):
         probe = optimizer
     else:
-        probe = (optimizer or _torch_optimizer(plan))([nn.Parameter(torch.zeros(1))])
+        probe = (optimizer or torch_optimizer(plan))([nn.Parameter(torch.zeros(1))])
     accepted = inspect.signature(type(probe).__init__).parameters
     return type(probe), {k: v for k, v in probe.defaults.items() if k in accepted}
 
@@ -104,14 +103,9 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------------------------------ loss
     def _loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
-        if getattr(self._head, "tp", 1) > 1 and hasattr(self._head, "gather_logits"):  # vocab-parallel logits
-            from ..tensor_parallel.vocab import vocab_parallel_cross_entropy
+        from ..engine import token_loss_sum
 
-            loss_sum = vocab_parallel_cross_entropy(logits, targets, self._head.group, IGNORE_INDEX, "sum")
-        else:
-            loss_sum = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-                                       reduction="sum")
-        return loss_sum / self._n_tokens
+        return token_loss_sum(logits, targets, self._head) / self._n_tokens
 
     # ------------------------------------------------------------------------------------------ batches
     def _inputs(self, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor, dict]:
@@ -235,7 +229,7 @@ class PipelineEngine:
 def initialize_pipeline(model: nn.Module, layout, optimizer=None, *, lr_scheduler=None) -> PipelineEngine:
     """msp.initialize for pipeline_stage > 1 (called by engine.initialize; same arguments)."""
     from ..config.rules import layers_per_stage
-    from ..engine import _device
+    from ..runtime import training_device
     from ..recompute import apply_recompute
     from ..tensor_parallel.apply import tp_parallelize
 
@@ -268,7 +262,7 @@ def initialize_pipeline(model: nn.Module, layout, optimizer=None, *, lr_schedule
                               stage=pp_rank, chunk=chunk)
         done.update({str(module.layer_ids[int(i)]): v for i, v in hit.items()})
     _drop_other_modules(model, view)
-    device = _device(layout)
+    device = training_device(layout)
     view.to(device)
     engine_box: list = []
 

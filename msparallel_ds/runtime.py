@@ -1,0 +1,78 @@
+"""What every training entry point (msp.initialize, the pipeline engine, accelerate, the HF Trainer, the demo) does
+the same way: start torch.distributed from the launcher's environment, pick the device, turn the YAML's optimizer
+into a torch optimizer, and derive DeepSpeed's config from the plan (CPU-safe)."""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["deepspeed_config", "disable_inference_shm_build", "ensure_distributed", "torch_optimizer",
+           "training_device"]
+
+
+def ensure_distributed(timeout_s: Optional[float]) -> None:
+    """Under torchrun / the deepspeed launcher / accelerate launch the env holds RANK etc.; start the default
+    group with the device's backend if the script has not (gloo on CPU, where DeepSpeed would pick none)."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+    import deepspeed
+    from datetime import timedelta
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    deepspeed.init_distributed(dist_backend=backend, **kwargs)
+
+
+def training_device(layout) -> torch.device:
+    if layout.device_type == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device(layout.device_type)
+
+
+def torch_optimizer(plan) -> Callable[[list], torch.optim.Optimizer]:
+    spec = plan.optimizer
+    if not spec:
+        raise ValueError("msp.initialize: no optimizer given and the YAML has no `optimizer:` section; pass "
+                         "optimizer=lambda params: torch.optim.AdamW(params, lr=...)")
+    if spec["type"] != "AdamW":
+        raise ValueError(f"optimizer.type={spec.get('mindformers_type', spec['type'])!r}: only AdamW maps to a "
+                         "torch optimizer here; pass optimizer=lambda params: ... to msp.initialize")
+    params = dict(spec["params"])
+    params["betas"] = tuple(params.get("betas", (0.9, 0.999)))
+    return lambda p: torch.optim.AdamW(p, **params)
+
+
+def deepspeed_config(plan, layout, *, overrides: Optional[Mapping]) -> dict:
+    ds = plan.to_deepspeed()
+    ds.pop("optimizer", None)  # always a torch optimizer (DeepSpeed's fused ones need a native build)
+    if layout.device_type != "cuda":
+        for key in ("bf16", "fp16"):
+            if ds.pop(key, None):
+                warnings.warn(f"model.model_config.compute_dtype={plan.config.model.compute_dtype}: running in "
+                              "float32 on CPU (DeepSpeed's half-precision paths need an accelerator)", stacklevel=3)
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stage == 3 and layout.size("tp") * layout.size("cp") > 1:
+        raise ValueError(
+            "parallel.parallel_optimizer_config.optimizer_level=level3 (ZeRO-3) does not compose with "
+            f"parallel_config.model_parallel={layout.size('tp')} / context_parallel={layout.size('cp')} here: ZeRO-3 "
+            "re-partitions the tensor-parallel shards (and their gradient hooks), and DeepSpeed 0.19's ZeRO-3 "
+            "averages gradients over dp x cp inconsistently with a sequence-parallel mpu (measured: wrong updates). "
+            "Use level1 or level2 (ZeRO-1/2) with model_parallel/context_parallel > 1, or level3 with data_parallel "
+            "only")
+    ds.update(overrides or {})
+    return ds
+
+
+def disable_inference_shm_build() -> None:
+    """On CPU deepspeed.initialize would JIT-compile its shm all-reduce op (about a minute); that op only serves
+    inference_all_reduce, never training. deepspeed.ops keeps this dict as its cache of op availability."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
