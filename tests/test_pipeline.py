@@ -14,8 +14,10 @@ pytestmark = pytest.mark.distributed
 STEPS = 3
 
 
-def pp_config(*, pp=2, mbn=4, vpp=1, sched="1f1b", offset=0, **kw):
+def pp_config(*, pp=2, mbn=4, vpp=1, sched="1f1b", offset=0, mbi=1, fine_grain=1, **kw):
     c = tiny_config(**kw)
+    c["micro_batch_interleave_num"] = mbi
+    c["model"]["model_config"]["fine_grain_interleave"] = fine_grain
     c["parallel_config"].update(pipeline_stage=pp, micro_batch_num=mbn)
     c["parallel"]["pipeline_config"] = {"pipeline_interleave": vpp > 1, "pipeline_scheduler": sched}
     c["model"]["model_config"].update(pp_interleave_num=vpp, offset=offset)
@@ -30,9 +32,10 @@ LAYOUTS = {  # name -> (pp_config kwargs, options)
     "pp4_gpipe": (dict(pp=4, sched="gpipe"), {}),
     "pp2_zero_bubble_v_dp2": (dict(dp=2, vpp=2, sched="zero_bubble_v"), {}),
     "pp2xcp2_ring": (dict(cp=2, ring=True, mbn=2), {"ignore_some": True}),
+    "pp2xtp2_sp_2copies_fine_grain2": (dict(tp=2, sp=True, mbi=2, fine_grain=2, mbn=2), {"ignore_some": True}),
 }
 GROUPS = {"a": ["pp2xdp2_zero1_recompute", "pp2xtp2_sp", "pp2_vpp2_interleaved_dp2", "pp2_uneven_offset_gpipe_dp2"],
-          "b": ["pp4_gpipe", "pp2_zero_bubble_v_dp2", "pp2xcp2_ring"]}
+          "b": ["pp4_gpipe", "pp2_zero_bubble_v_dp2", "pp2xcp2_ring", "pp2xtp2_sp_2copies_fine_grain2"]}
 
 
 def _adamw(params):
@@ -70,7 +73,8 @@ def _train(name):
     return {"losses": losses, "state": state, "rows": _rows(engine) * lay.size("dp"),
             "stage_ids": engine.stage_ids, "recompute": engine.model.msp_recompute, "bad_batch": bad_batch,
             "layers": [n for n, _ in engine.model.named_parameters() if n.endswith("input_layernorm.weight")],
-            "optimizer": type(engine.optimizer).__name__, "sizes": {n: lay.size(n) for n in ("pp", "dp", "tp", "cp")}}
+            "optimizer": type(engine.optimizer).__name__,
+            "interleaved": [bool(stage.submod.interleaved) for stage in engine.stages], "sizes": {n: lay.size(n) for n in ("pp", "dp", "tp", "cp")}}
 
 
 def _checkpoint_chain(save_dir):
@@ -152,6 +156,8 @@ def test_pipeline_matches_single_process(group, tmp_path):
             assert results[3][name]["layers"] == ["model.layers.3.input_layernorm.weight"]
         if name == "pp2_zero_bubble_v_dp2":
             assert [res[name]["stage_ids"] for res in results] == [[0, 3], [0, 3], [1, 2], [1, 2]]
+        if name == "pp2xtp2_sp_2copies_fine_grain2":  # the copies ran through the interleaved stack in each stage
+            assert all(res[name]["interleaved"] == [True] for res in results), [res[name]["interleaved"] for res in results]
         if name == "pp2_vpp2_interleaved_dp2":
             assert [res[name]["stage_ids"] for res in results] == [[0, 2], [0, 2], [1, 3], [1, 3]]
     if save_dir:

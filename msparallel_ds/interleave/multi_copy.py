@@ -113,7 +113,7 @@ def _split_rows(value: Any, rows: int, n: int) -> list:
     return [value] * n
 
 
-class _InterleavedStack(nn.Module):
+class InterleavedStack(nn.Module):
     """Stands in for base.layers during a forward: splits the micro-batch into copies, runs run_layers."""
 
     def __init__(self, layers: nn.ModuleList, n_copies: int, fine_grain: int):
@@ -162,7 +162,7 @@ def install(model: nn.Module, n_copies: int, fine_grain: int = 1, *, copy_loss: 
         stack = base._msp_interleave_stack
         stack.n_copies, stack.fine_grain = n_copies, fine_grain
         return model
-    stack = _InterleavedStack(layers, n_copies, fine_grain)
+    stack = InterleavedStack(layers, n_copies, fine_grain)
     object.__setattr__(base, "_msp_interleave_stack", stack)
     swapped = nn.ModuleList([stack])
     inner = base.forward

@@ -256,6 +256,9 @@ def initialize_pipeline(model: nn.Module, layout, optimizer=None, *, lr_schedule
 
         use_cp_attention(model, layout)
     modules, view, stage_ids = split_model(model, counts, pp_rank, plan.pp_schedule)
+    if plan.micro_batch_interleave_num > 1 or plan.fine_grain_interleave > 1:  # copies inside each micro-batch
+        for module in modules:
+            module.use_interleave(plan.micro_batch_interleave_num, plan.fine_grain_interleave)
     done = {}
     for chunk, module in enumerate(modules):
         hit = apply_recompute(model, plan.recompute, layers=nn.ModuleList(module.body.layers.values()),

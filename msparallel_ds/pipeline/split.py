@@ -77,6 +77,19 @@ class StageModule(nn.Module):
         self.layer_ids = list(layer_ids)
         self.add_module(prefix, _Body(base, self.layer_ids, first, last))
         self.lm_head = model.lm_head if last else None
+        self.interleaved = None  # set by use_interleave: the layers run as copies / chunks (msparallel_ds.interleave)
+
+    def use_interleave(self, n_copies: int, fine_grain: int) -> None:
+        """micro_batch_interleave_num / fine_grain_interleave inside this stage: each pipeline micro-batch splits
+        into n_copies copies whose tp/SP collectives overlap the other copies' compute (no math change)."""
+        from ..interleave.multi_copy import InterleavedStack
+
+        types = {getattr(layer, "attention_type", "full_attention") for layer in self.body.layers.values()}
+        if len(types) > 1:
+            raise ValueError(f"micro_batch_interleave_num / fine_grain_interleave: layers of several attention types "
+                             f"{sorted(types)} (sliding-window layers) are not supported; set both to 1")
+        # a plain list: the stack must not register the layers a second time under its own names
+        self.interleaved = [InterleavedStack(nn.ModuleList(self.body.layers.values()), n_copies, fine_grain)]
 
     @property
     def body(self) -> _Body:
@@ -88,7 +101,11 @@ class StageModule(nn.Module):
         layers = list(body.layers.values())
         masks = _attention_masks(self.config, hidden, position_ids, layers)
         position_embeddings = body.rotary_emb(hidden, position_ids=position_ids)
-        for layer in layers:
+        if self.interleaved:
+            hidden = self.interleaved[0](hidden, attention_mask=masks["full_attention"],
+                                         position_embeddings=position_embeddings, position_ids=position_ids,
+                                         use_cache=False, **kwargs)
+        for layer in layers if not self.interleaved else ():
             hidden = layer(hidden, attention_mask=masks[getattr(layer, "attention_type", "full_attention")],
                            position_embeddings=position_embeddings, position_ids=position_ids, use_cache=False,
                            **kwargs)
