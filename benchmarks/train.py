@@ -64,7 +64,7 @@ PRELOAD = ("deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stag
            "deepspeed.module_inject.auto_tp", "deepspeed.module_inject.layers", "deepspeed.module_inject.tp_shard",
            "deepspeed.module_inject.tp_plan_converter", "deepspeed.module_inject.autotp_config",
            "deepspeed.module_inject.replace_module", "transformers", "transformers.models.llama.modeling_llama",
-           "msparallel_ds", "msparallel_ds.engine", "msparallel_ds.parallelize", "msparallel_ds.distributed.layout",
+           "msparallel_ds", "msparallel_ds.engine", "msparallel_ds.strategy", "msparallel_ds.distributed.layout",
            "msparallel_ds.context_parallel.batch", "msparallel_ds.tensor_parallel.apply",
            "msparallel_ds.tensor_parallel.vocab")
 

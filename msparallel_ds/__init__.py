@@ -20,7 +20,7 @@ def from_pretrained(checkpoint_dir, cfg_or_layout, **kwargs):
     """A HF causal LM built on the meta device, parallelized for the YAML (or a ParallelLayout) and filled with only
     this rank's shards of the checkpoint (no rank materializes the full model). kwargs: dtype, device, model_cls."""
     from .distributed.layout import ParallelLayout
-    from .parallelize import parallelize
+    from .strategy import parallelize
     from .weights import from_pretrained as _load
 
     layout = cfg_or_layout if isinstance(cfg_or_layout, ParallelLayout) else init_parallel(
@@ -34,7 +34,7 @@ _LAZY = {  # torch-heavy parts load on first use, so `msparallel-ds plan` stays 
     "shard_sequence": ("context_parallel.api", "shard_sequence"),
     "unshard_sequence": ("context_parallel.api", "unshard_sequence"),
     "shard_batch": ("context_parallel.batch", "shard_batch"),
-    "parallelize": ("parallelize", "parallelize"),
+    "parallelize": ("strategy", "parallelize"),
     "initialize": ("engine", "initialize"),
     "Engine": ("engine", "Engine"),
 }

@@ -197,7 +197,7 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer:
 
     from .config import ParallelConfig, load_config
     from .distributed.layout import init_parallel
-    from .parallelize import parallelize
+    from .strategy import parallelize
 
     cfg = cfg if isinstance(cfg, ParallelConfig) else load_config(cfg)
     if not torch.cuda.is_available():  # before deepspeed.init_distributed, which would build the op on CPU

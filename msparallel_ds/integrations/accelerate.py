@@ -383,7 +383,7 @@ class MindFormersAccelerator(Accelerator):
     def _prepare_deepspeed(self, *args):
         from torch.optim.lr_scheduler import LRScheduler
 
-        from ..parallelize import parallelize
+        from ..strategy import parallelize
 
         models = [a for a in args if isinstance(a, nn.Module)]
         if models:

@@ -1,5 +1,8 @@
 """msp.parallelize(model, layout): the YAML's strategy applied to a HF decoder, in one place.
 
+(The module is not named `parallelize`: a submodule of that name would replace the function `msp.parallelize` as
+an attribute of the package as soon as it is imported.)
+
 Order matters: tensor/sequence/vocab parallel first (it replaces Linear/Embedding modules), then context-parallel
 attention (an attention-function switch, no module change), then recompute (wraps forwards of the final modules).
 Every option defaults to the layout's Plan (use_seq_parallel, vocab_emb_dp, context_parallel_algo,
@@ -63,13 +66,3 @@ def parallelize(model: nn.Module, layout, *, sequence_parallel: Optional[bool] =
     model.msp_layout = layout
     return model
 
-
-class _CallableModule(__import__("types").ModuleType):
-    """`msp.parallelize` must stay the function after this submodule is imported (importing it binds the package
-    attribute `parallelize` to the module, which would bypass the package's lazy __getattr__)."""
-
-    def __call__(self, *args, **kwargs):
-        return parallelize(*args, **kwargs)
-
-
-__import__("sys").modules[__name__].__class__ = _CallableModule
