@@ -33,9 +33,12 @@ LAYOUTS = {  # name -> (pp_config kwargs, options)
     "pp2_zero_bubble_v_dp2": (dict(dp=2, vpp=2, sched="zero_bubble_v"), {}),
     "pp2xcp2_ring": (dict(cp=2, ring=True, mbn=2), {"ignore_some": True}),
     "pp2xtp2_sp_2copies_fine_grain2": (dict(tp=2, sp=True, mbi=2, fine_grain=2, mbn=2), {"ignore_some": True}),
+    "pp2xtp2_sp_zero_bubble_v": (dict(tp=2, sp=True, vpp=2, sched="zero_bubble_v"), {}),
+    "pp2_vpp2_gpipe_looped_bfs_dp2": (dict(dp=2, vpp=2, sched="gpipe"), {}),
 }
 GROUPS = {"a": ["pp2xdp2_zero1_recompute", "pp2xtp2_sp", "pp2_vpp2_interleaved_dp2", "pp2_uneven_offset_gpipe_dp2"],
-          "b": ["pp4_gpipe", "pp2_zero_bubble_v_dp2", "pp2xcp2_ring", "pp2xtp2_sp_2copies_fine_grain2"]}
+          "b": ["pp4_gpipe", "pp2_zero_bubble_v_dp2", "pp2xcp2_ring", "pp2xtp2_sp_2copies_fine_grain2"],
+          "c": ["pp2xtp2_sp_zero_bubble_v", "pp2_vpp2_gpipe_looped_bfs_dp2"]}
 
 
 def _adamw(params):
@@ -98,13 +101,35 @@ def _checkpoint_chain(save_dir):
     return {"losses": out, "state": state, "global_steps": last.global_steps}
 
 
-def _run_group(rank, world_size, names, save_dir):
+def _yaml_optimizer_and_schedule():
+    """optimizer=None (the YAML's AdamW) and the YAML's lr_schedule: pp2 x dp2 with optimizer_level level2 (run as
+    level1, with a warning) against the DeepSpeed engine's dp4 ZeRO-2 on the same YAML sections."""
+    import warnings
+
+    import msparallel_ds as msp
+
+    sched = {"type": "CosineWithWarmUpLR", "learning_rate": 1e-3, "lr_end": 1e-5, "warmup_steps": 1, "total_steps": 4}
+    out = {}
+    for name, cfg in (("pp2xdp2", pp_config(dp=2, zero=2)), ("dp4", tiny_config(dp=4, bs=2, zero=2))):
+        cfg["lr_schedule"] = sched
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine = msp.initialize(tiny_model(), msp.load_config(cfg))
+        out[name] = {"losses": [_step(engine, s) for s in range(4)],
+                     "warned": any("runs as level1" in str(w.message) for w in caught),
+                     "scheduler": type(engine.lr_scheduler).__name__}
+    return out
+
+
+def _run_group(rank, world_size, names, save_dir, yaml_schedule=False):
     import torch
 
     torch.set_num_threads(1)
     results = {name: _train(name) for name in names}
     if save_dir:
         results["checkpoint"] = _checkpoint_chain(save_dir)
+    if yaml_schedule:
+        results["yaml_schedule"] = _yaml_optimizer_and_schedule()
     return results
 
 
@@ -129,7 +154,7 @@ PARITY = {}  # name -> (max rel loss error, max abs weight error), printed by -s
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_pipeline_matches_single_process(group, tmp_path):
     save_dir = str(tmp_path) if group == "a" else None
-    results = run_distributed(_run_group, 4, GROUPS[group], save_dir, timeout=600)
+    results = run_distributed(_run_group, 4, GROUPS[group], save_dir, group == "c", timeout=600)
     for name in GROUPS[group]:
         yaml, opts = LAYOUTS[name]
         r0 = results[0][name]
@@ -160,6 +185,11 @@ def test_pipeline_matches_single_process(group, tmp_path):
             assert all(res[name]["interleaved"] == [True] for res in results), [res[name]["interleaved"] for res in results]
         if name == "pp2_vpp2_interleaved_dp2":
             assert [res[name]["stage_ids"] for res in results] == [[0, 2], [0, 2], [1, 3], [1, 3]]
+    if group == "c":  # the pipeline engine follows the YAML's optimizer and lr schedule like the DeepSpeed engine
+        runs = results[0]["yaml_schedule"]
+        pp, ds = runs["pp2xdp2"], runs["dp4"]
+        assert pp["warned"] and pp["scheduler"] == ds["scheduler"] == "WarmupCosineLR", runs
+        assert max(abs(a - b) / b for a, b in zip(pp["losses"], ds["losses"])) <= 1e-5, runs
     if save_dir:
         ck = results[0]["checkpoint"]
         ref_losses, ref_state, _ = _reference(4, 8)
