@@ -91,3 +91,20 @@ def test_initialize_refuses_unsupported_schedulers_before_training(sched):
 def test_initialize_refuses_bad_offsets_before_training():
     with pytest.raises(msp.ConfigError, match=r"model\.model_config\.offset.*must sum to"):
         msp.initialize(_model(4), _yaml(offset=[1, 1]))
+
+
+@pytest.mark.parametrize("who", ["MindFormersAccelerator", "MindFormersTrainer"])
+def test_accelerate_and_trainer_refuse_a_pipeline_before_any_group(who):
+    """Neither loop can drive a schedule: a clear error pointing to msp.initialize, before torch.distributed starts."""
+    import torch.distributed as dist
+
+    from msparallel_ds.integrations.accelerate import MindFormersAccelerator
+    from msparallel_ds.integrations.trainer import MindFormersTrainer
+
+    cfg = {"parallel_config": {"data_parallel": 2, "pipeline_stage": 2, "micro_batch_num": 2},
+           "model": {"model_config": {"num_layers": 4}}}
+    build = {"MindFormersAccelerator": lambda: MindFormersAccelerator(cfg),
+             "MindFormersTrainer": lambda: MindFormersTrainer(model=None, parallel_config=cfg)}[who]
+    with pytest.raises(ValueError, match=rf"pipeline_stage=2: {who} cannot drive a pipeline.*msp.initialize"):
+        build()
+    assert not dist.is_initialized()

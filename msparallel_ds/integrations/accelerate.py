@@ -71,6 +71,18 @@ _REFUSED = ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "megatron_lm
             "parallelism_config")
 
 
+def refuse_pipeline(cfg, who: str) -> None:
+    """accelerate's and the Trainer's loops run one forward/backward per batch; a pipeline schedule runs all
+    micro-batches across stages, so pipeline_stage > 1 goes through msp.initialize instead."""
+    pp = cfg.parallel_config.pipeline_stage
+    if pp > 1:
+        raise ValueError(f"parallel_config.pipeline_stage={pp}: {who} cannot drive a pipeline (its loop runs one "
+                         "forward/backward per batch; a schedule runs all micro-batches across stages). Use "
+                         "engine = msp.initialize(model, cfg, optimizer=...) and engine.train_batch(batch) under "
+                         "torchrun or the deepspeed launcher (example: examples/train_deepspeed.py --config "
+                         "configs/tiny_pp2.yaml), or set pipeline_stage: 1")
+
+
 def resolve_config(config: Any = None):
     """A ParallelConfig from a path, dict, YAML text or ParallelConfig; None reads the path from MSPARALLEL_CONFIG."""
     from ..config import ParallelConfig, load_config
@@ -241,6 +253,7 @@ class MindFormersAccelerator(Accelerator):
             raise ValueError("cpu=True turns DeepSpeed off in accelerate; on a machine without GPUs leave it out: "
                              "MindFormersAccelerator runs DeepSpeed on CPU over gloo by itself")
         cfg = resolve_config(config)
+        refuse_pipeline(cfg, "MindFormersAccelerator")  # before any process group: nothing to clean up
         cuda = torch.cuda.is_available()
         handlers = list(accelerator_kwargs.pop("kwargs_handlers", None) or [])
         init = next((h for h in handlers if isinstance(h, InitProcessGroupKwargs)), None)
@@ -255,13 +268,7 @@ class MindFormersAccelerator(Accelerator):
         _repair_partial_state()
         layout = init_parallel(cfg)
         plan = layout.plan
-        if layout.size("pp") > 1:
-            raise ValueError(f"parallel_config.pipeline_stage={layout.size('pp')}: MindFormersAccelerator "
-                             "cannot drive a "
-                             "pipeline (its loop runs one forward/backward per batch; a schedule runs all "
-                             "micro-batches across stages). Use engine = msp.initialize(model, cfg, optimizer=...) "
-                             "and engine.train_batch(batch) under torchrun or the deepspeed launcher (example: "
-                             "examples/train_deepspeed.py --config configs/tiny_pp2.yaml), or set pipeline_stage: 1")
+
         ds = runtime.deepspeed_config(plan, layout, overrides=deepspeed_config)
         wanted = {"bf16": "bf16", "fp16": "fp16"}.get(plan.compute_dtype, "no") if cuda else "no"
         given = accelerator_kwargs.pop("mixed_precision", None)

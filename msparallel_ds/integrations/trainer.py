@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainingArguments
 
-from .accelerate import MindFormersAccelerator, resolve_config
+from .accelerate import MindFormersAccelerator, refuse_pipeline, resolve_config
 
 __all__ = ["MindFormersTrainer", "training_arguments_from_yaml"]
 
@@ -97,19 +97,13 @@ class MindFormersTrainer(Trainer):
     def __init__(self, model=None, args: TrainingArguments | None = None, *trainer_args,
                  parallel_config: Any = None, **trainer_kwargs):
         cfg = resolve_config(parallel_config)
+        refuse_pipeline(cfg, "MindFormersTrainer")
         self.msp_config = cfg
         if args is None:
             args = training_arguments_from_yaml(cfg)
         if args.use_cpu:
             raise ValueError("TrainingArguments(use_cpu=True) switches DeepSpeed off; leave it out: "
                              "MindFormersTrainer runs DeepSpeed on CPU over gloo by itself")
-        if cfg.parallel_config.pipeline_stage > 1:
-            raise ValueError(f"parallel_config.pipeline_stage={cfg.parallel_config.pipeline_stage}: MindFormersTrainer "
-                             "cannot drive a "
-                             "pipeline (its loop runs one forward/backward per batch; a schedule runs all "
-                             "micro-batches across stages). Use engine = msp.initialize(model, cfg, optimizer=...) "
-                             "and engine.train_batch(batch) under torchrun or the deepspeed launcher (example: "
-                             "examples/train_deepspeed.py --config configs/tiny_pp2.yaml), or set pipeline_stage: 1")
         given = cfg.runner_config.model_fields_set
         batch = cfg.runner_config.batch_size * cfg.micro_batch_interleave_num
         for key, field, value in (("batch_size", "per_device_train_batch_size", batch),
