@@ -145,13 +145,26 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 }  // namespace dev
 
-// Host side: the grid of a row-wise kernel (one warp per row: merge, finalize, backward preprocess); false when
-// `rows` needs more blocks than a grid holds.
-inline bool warp_per_row_grid(int64_t rows, int threads, dim3* grid) {
-  const int64_t blocks = (rows + threads / 32 - 1) / (threads / 32);
-  if (blocks > 0x7fffffff) return false;
-  *grid = dim3(static_cast<unsigned>(blocks));
-  return true;
+// Host side: launches a row-wise kernel (one warp per (b, h, query) row: merge, finalize, backward preprocess).
+// Fills the params' row fields from `shape`, sizes the grid, and instantiates the kernel for `dtype` through
+// launch(T{}, grid) with T = float, __half or __nv_bfloat16; invalid when the rows need more blocks than a grid holds.
+template <typename Params, typename Launch>
+inline cudaError_t launch_rowwise(DType dtype, const Shape& shape, Params& p, int threads, Launch&& launch) {
+  p.h = shape.h;
+  p.n_q = shape.s_q;
+  p.d = shape.d;
+  p.rows = static_cast<int64_t>(shape.b) * shape.h * shape.s_q;
+  if (p.rows == 0) return cudaSuccess;
+  const int64_t blocks = (p.rows + threads / 32 - 1) / (threads / 32);
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(blocks));
+  switch (dtype) {
+    case DType::kFloat32: launch(float{}, grid); break;
+    case DType::kFloat16: launch(__half{}, grid); break;
+    case DType::kBFloat16: launch(__nv_bfloat16{}, grid); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
 }
 
 // Host side, shared by the forward and backward launchers: checks a step's arguments and resolves its mask mode

@@ -73,20 +73,9 @@ cudaError_t merge(DType out_dtype, const Shape& shape, Strided acc_out, Strided 
   p.l_sb = lse.sb, p.l_sh = lse.sh;
   p.new_lse = static_cast<float*>(new_lse.ptr);
   p.nl_sb = new_lse.sb, p.nl_sh = new_lse.sh;
-  p.h = shape.h;
-  p.n_q = shape.s_q;
-  p.d = shape.d;
-  p.rows = static_cast<int64_t>(shape.b) * shape.h * shape.s_q;
-  if (p.rows == 0) return cudaSuccess;
-  dim3 grid;
-  if (!warp_per_row_grid(p.rows, kThreads, &grid)) return cudaErrorInvalidValue;
-  switch (out_dtype) {
-    case DType::kFloat32: merge_kernel<float><<<grid, kThreads, 0, stream>>>(p); break;
-    case DType::kFloat16: merge_kernel<__half><<<grid, kThreads, 0, stream>>>(p); break;
-    case DType::kBFloat16: merge_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(p); break;
-    default: return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return launch_rowwise(out_dtype, shape, p, kThreads, [&](auto t, dim3 grid) {
+    merge_kernel<decltype(t)><<<grid, kThreads, 0, stream>>>(p);
+  });
 }
 
 }  // namespace msp_ops

@@ -324,20 +324,9 @@ cudaError_t bwd_preprocess(DType dtype, const Shape& shape, Strided out, Strided
   p.do_sb = dout.sb, p.do_sh = dout.sh, p.do_ss = dout.ss;
   p.delta = static_cast<float*>(delta.ptr);
   p.dl_sb = delta.sb, p.dl_sh = delta.sh;
-  p.h = shape.h;
-  p.n_q = shape.s_q;
-  p.d = shape.d;
-  p.rows = static_cast<int64_t>(shape.b) * shape.h * shape.s_q;
-  if (p.rows == 0) return cudaSuccess;
-  dim3 grid;
-  if (!warp_per_row_grid(p.rows, kThreads, &grid)) return cudaErrorInvalidValue;
-  switch (dtype) {
-    case DType::kFloat16: bwd_preprocess_kernel<__half><<<grid, kThreads, 0, stream>>>(p); break;
-    case DType::kBFloat16: bwd_preprocess_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(p); break;
-    case DType::kFloat32: bwd_preprocess_kernel<float><<<grid, kThreads, 0, stream>>>(p); break;
-    default: return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return launch_rowwise(dtype, shape, p, kThreads, [&](auto t, dim3 grid) {
+    bwd_preprocess_kernel<decltype(t)><<<grid, kThreads, 0, stream>>>(p);
+  });
 }
 
 cudaError_t bwd_step(DType dtype, const Shape& shape, Mode mode, float scale, Strided q, Strided k, Strided v,

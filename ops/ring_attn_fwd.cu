@@ -320,20 +320,9 @@ cudaError_t finalize(DType out_dtype, const Shape& shape, Strided acc, Strided m
   p.o_sb = out.sb, p.o_sh = out.sh, p.o_ss = out.ss;
   p.lse = static_cast<float*>(lse.ptr);
   p.lse_sb = lse.sb, p.lse_sh = lse.sh;
-  p.h = shape.h;
-  p.n_q = shape.s_q;
-  p.d = shape.d;
-  p.rows = static_cast<int64_t>(shape.b) * shape.h * shape.s_q;
-  if (p.rows == 0) return cudaSuccess;
-  dim3 grid;
-  if (!warp_per_row_grid(p.rows, kThreads, &grid)) return cudaErrorInvalidValue;
-  switch (out_dtype) {
-    case DType::kFloat32: finalize_kernel<float><<<grid, kThreads, 0, stream>>>(p); break;
-    case DType::kFloat16: finalize_kernel<__half><<<grid, kThreads, 0, stream>>>(p); break;
-    case DType::kBFloat16: finalize_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(p); break;
-    default: return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return launch_rowwise(out_dtype, shape, p, kThreads, [&](auto t, dim3 grid) {
+    finalize_kernel<decltype(t)><<<grid, kThreads, 0, stream>>>(p);
+  });
 }
 
 }  // namespace msp_ops
