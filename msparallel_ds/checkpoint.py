@@ -166,6 +166,15 @@ def _ensure_adam_state(opt, keys, step: float) -> None:
                 torch.tensor(step, dtype=torch.float32, device=p.device)
 
 
+def check_names(names, saved, source: str, *, subset: bool = False) -> None:
+    """The model's parameter names must all be in the checkpoint and, unless this rank holds a `subset` of the model
+    (one pipeline stage), the checkpoint must hold no others."""
+    names, saved = set(names), set(saved)
+    missing, unexpected = sorted(names - saved), [] if subset else sorted(saved - names)
+    if missing or unexpected:
+        raise ValueError(f"{source} does not match this model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
 def _read_for_layout(load_dir: str, layout) -> tuple[dict[str, Any], bool]:
     """The checkpoint's content for this rank and whether its tensors are already sliced for this layout (a folder
     written by convert-checkpoint) or full size (engine.save)."""
@@ -197,10 +206,7 @@ def load_checkpoint(engine, load_dir: str) -> dict[str, Any]:
     stage = _check_stage(engine)
     opt = _inner_optimizer(engine)
     keys = _optimizer_keys(opt)
-    names = [n for n, _ in engine.model.named_parameters()]
-    missing, unexpected = sorted(set(names) - set(ck["params"])), sorted(set(ck["params"]) - set(names))
-    if missing or unexpected:
-        raise ValueError(f"{load_dir} does not match this model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    check_names((n for n, _ in engine.model.named_parameters()), ck["params"], load_dir)
     _ensure_adam_state(opt, keys, ck["optimizer_step"])
     if stage > 0:  # DeepSpeed would link each parameter to its slice of the flat Adam state at the first step; now
         _link_optimizer_state(engine)

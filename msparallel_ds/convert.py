@@ -23,6 +23,7 @@ from .checkpoint import (
     SHARDED_FORMAT,
     SHARDED_INDEX,
     atomic_save,
+    check_names,
     read_checkpoint_file,
     shard_file,
     tp_slice,
@@ -33,13 +34,12 @@ __all__ = ["convert_checkpoint"]
 
 def meta_model(model_config: dict[str, Any]):
     """The saved model's architecture on the meta device (shapes only)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from .weights import build_on_meta
 
     spec = dict(model_config)
-    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    return build_on_meta(AutoConfig.for_model(spec.pop("model_type"), **spec))
 
 
 def _convert_rank(rank: int, world: int, src: str, tmp: str, cfg, send) -> int:
@@ -53,10 +53,7 @@ def _convert_rank(rank: int, world: int, src: str, tmp: str, cfg, send) -> int:
     ck = read_checkpoint_file(os.path.join(src, FILE), FORMAT)
     model = msp.parallelize(meta_model(ck["model_config"]), layout)
     names = dict(model.named_parameters())
-    missing, unexpected = sorted(set(names) - set(ck["params"])), sorted(set(ck["params"]) - set(names))
-    if missing or unexpected:
-        raise ValueError(f"{src} does not match its own model config: missing {missing[:5]}, unexpected "
-                         f"{unexpected[:5]}")
+    check_names(names, ck["params"], f"{src} (against its own model config)")
     if layout.rank("dp_cp") != 0:
         return 0
     params = {name: {k: tp_slice(v, p, layout).clone() for k, v in ck["params"][name].items()}

@@ -40,6 +40,17 @@ IGNORE_INDEX = -100
 OptimizerArg = Union[None, torch.optim.Optimizer, Callable[[list], torch.optim.Optimizer]]
 
 
+def global_token_count(labels: Tensor, layout, device) -> Tensor:
+    """Valid (shifted, not ignored) tokens of the global batch from this dp rank's labels, at least 1, fp32; tp
+    and cp peers of a dp rank hold the same rows, so the sum runs over dp only."""
+    from .context_parallel.batch import shift_labels
+
+    count = (shift_labels(labels) != IGNORE_INDEX).sum().to(torch.float32).to(device)
+    if layout.size("dp") > 1:
+        dist.all_reduce(count, group=layout.group("dp"))
+    return count.clamp_min(1.0)
+
+
 def token_loss_sum(logits: Tensor, targets: Tensor, lm_head: Optional[nn.Module]) -> Tensor:
     """Sum of the token cross-entropies (ignored labels skipped), in fp32; vocab-parallel logits [..., V/tp] when the
     head is a vocab-parallel lm_head."""
@@ -93,21 +104,12 @@ class Engine:
         return ids, labels
 
     def _micro_inputs(self, batch: Mapping[str, Any], rows: slice) -> tuple[dict, Tensor]:
-        from .context_parallel.batch import shard_batch, shift_labels
+        from .context_parallel.batch import inputs_and_targets
 
         micro = {k: (v[rows] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == len(batch["input_ids"])
                      else v) for k, v in batch.items()}
-        micro.setdefault("labels", micro["input_ids"])
         micro = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in micro.items()}
-        if self.layout.size("cp") > 1:
-            inputs = shard_batch(micro, self.layout)
-            targets = inputs.pop("shift_labels")
-        else:
-            targets = shift_labels(micro.pop("labels"))
-            micro.pop("shift_labels", None)
-            inputs = micro
-        inputs.pop("labels", None)
-        return inputs, targets
+        return inputs_and_targets(micro, self.layout)
 
     def _token_loss_sum(self, logits: Tensor, targets: Tensor) -> Tensor:
         return token_loss_sum(logits, targets, getattr(self.model, "lm_head", None))
@@ -115,14 +117,10 @@ class Engine:
     def train_batch(self, batch: Mapping[str, Any]) -> Tensor:
         """One optimizer step on this dp rank's share of the global batch; returns the global-batch mean loss
         (detached, float32) on every rank."""
-        from .context_parallel.batch import shift_labels
 
         ids, labels = self._check_batch(batch)
         dp = self.layout.size("dp")
-        count = (shift_labels(labels) != IGNORE_INDEX).sum().to(torch.float32).to(self.device)
-        if dp > 1:  # tp and cp peers of a dp rank hold the same rows: count over dp only
-            dist.all_reduce(count, group=self.layout.group("dp"))
-        n_tokens = count.clamp_min(1.0)
+        n_tokens = global_token_count(labels, self.layout, self.device)
         self.model.train()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         interleave = getattr(self.model, "msp_interleave", None) or {}

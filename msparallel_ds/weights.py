@@ -259,18 +259,26 @@ def load_sharded_checkpoint(model: nn.Module, checkpoint_dir: str | os.PathLike,
     return model.to(device)
 
 
+def build_on_meta(config, model_cls=None) -> nn.Module:
+    """The model of a HF config on the meta device: shapes only, no rank allocates (or initializes) the full model.
+    model_cls: a HF model class (default AutoModelForCausalLM)."""
+    from transformers import AutoModelForCausalLM
+
+    model_cls = model_cls or AutoModelForCausalLM
+    with torch.device("meta"):
+        return model_cls.from_config(config) if hasattr(model_cls, "from_config") else model_cls._from_config(config)
+
+
 def from_pretrained(checkpoint_dir: str | os.PathLike, layout, *, parallelize_fn, dtype: torch.dtype | None = None,
                     device=None, model_cls=None, strict: bool = True, **config_overrides) -> nn.Module:
     """Build the model of a HF checkpoint directory on the meta device, parallelize it with
     parallelize_fn(model, layout) (None: keep it unsharded), then load this rank's shards; eval mode, like HF.
     config_overrides go to AutoConfig.from_pretrained (e.g. attn_implementation="eager")."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     checkpoint_dir = os.fspath(checkpoint_dir)
     config = AutoConfig.from_pretrained(checkpoint_dir, **config_overrides)
-    model_cls = model_cls or AutoModelForCausalLM
-    with torch.device("meta"):  # shapes only: no rank allocates (or initializes) the full model
-        model = model_cls.from_config(config) if hasattr(model_cls, "from_config") else model_cls._from_config(config)
+    model = build_on_meta(config, model_cls)
     if parallelize_fn is not None:
         model = parallelize_fn(model, layout)
     load_sharded_checkpoint(model, checkpoint_dir, layout, strict=strict, dtype=dtype, device=device)

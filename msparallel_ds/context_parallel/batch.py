@@ -107,6 +107,22 @@ def shard_batch(batch: Mapping[str, Any], layout, *, algo: Optional[str] = None,
     return out
 
 
+def inputs_and_targets(batch: Mapping[str, Any], layout) -> tuple[dict[str, Any], Tensor]:
+    """A micro-batch -> (model inputs, shifted targets) for this rank: sharded over cp by shard_batch when cp > 1
+    (labels shifted before the split), else the batch without labels and the shifted labels; labels default to
+    input_ids."""
+    batch = dict(batch)
+    batch.setdefault("labels", batch["input_ids"])
+    if layout.size("cp") > 1:
+        inputs = shard_batch(batch, layout)
+        targets = inputs.pop("shift_labels")
+    else:
+        inputs, targets = batch, shift_labels(batch.pop("labels"))
+        inputs.pop("shift_labels", None)
+    inputs.pop("labels", None)
+    return inputs, targets
+
+
 def cp_token_loss(logits: Tensor, shift_labels: Tensor, layout, *, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """This rank's share of the sequence-mean cross-entropy: sum over its tokens / valid tokens on all cp ranks.
 

@@ -14,7 +14,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..checkpoint import FILE, FORMAT, _ensure_adam_state, _fit, _optimizer_keys, _read_for_layout, atomic_save
+from ..checkpoint import (
+    FILE,
+    FORMAT,
+    _ensure_adam_state,
+    _fit,
+    _optimizer_keys,
+    _read_for_layout,
+    atomic_save,
+    check_names,
+)
 
 __all__ = ["gather_pipeline_state_dict", "load_pipeline_checkpoint", "save_pipeline_checkpoint"]
 
@@ -106,10 +115,7 @@ def load_pipeline_checkpoint(engine, load_dir: str) -> dict[str, Any]:
     layout, base = engine.layout, _base(engine.optimizer)
     ck, sliced = _read_for_layout(load_dir, layout)  # engine.save's file, or convert-checkpoint's per-(pp, tp) one
     keys = _optimizer_keys(base)
-    names = [n for n, _ in engine.model.named_parameters()]
-    missing = sorted(set(names) - set(ck["params"]))
-    if missing:
-        raise ValueError(f"{load_dir} does not match this model: missing {missing[:5]}")
+    check_names((n for n, _ in engine.model.named_parameters()), ck["params"], load_dir, subset=True)
     _ensure_adam_state(base, keys, ck["optimizer_step"])
     with torch.no_grad():
         for name, p in engine.model.named_parameters():

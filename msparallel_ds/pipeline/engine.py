@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..context_parallel.batch import IGNORE_INDEX, shard_batch, shift_labels
+from ..context_parallel.batch import inputs_and_targets
+from ..engine import global_token_count, token_loss_sum
 from .schedule import build_schedule
 from .split import split_model
 
@@ -103,8 +104,6 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------------------------------ loss
     def _loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
-        from ..engine import token_loss_sum
-
         return token_loss_sum(logits, targets, self._head) / self._n_tokens
 
     # ------------------------------------------------------------------------------------------ batches
@@ -124,13 +123,8 @@ class PipelineEngine:
         batch.setdefault("labels", batch["input_ids"])
         if batch["labels"].shape != ids.shape:
             raise ValueError(f"labels shape {tuple(batch['labels'].shape)} != input_ids shape {tuple(ids.shape)}")
-        if self.layout.size("cp") > 1:
-            inputs = shard_batch(batch, self.layout)
-            targets = inputs.pop("shift_labels")
-        else:
-            inputs = dict(batch)
-            targets = shift_labels(inputs.pop("labels"))
-            inputs.pop("shift_labels", None)
+        inputs, targets = inputs_and_targets(batch, self.layout)
+        if self.layout.size("cp") == 1:
             inputs.pop("attention_mask", None)  # causal masks are rebuilt per stage; padding masks are not supported
             if inputs.get("position_ids") is None:
                 s = ids.shape[1]
@@ -171,11 +165,7 @@ class PipelineEngine:
         """One optimizer step on this dp rank's share of the global batch; returns the global-batch mean loss
         (detached, float32) on every rank."""
         ids, targets, kwargs = self._inputs(batch)
-        labels = batch.get("labels", batch["input_ids"])
-        count = (shift_labels(labels) != IGNORE_INDEX).sum().to(torch.float32).to(self.device)
-        if self.layout.size("dp") > 1:
-            dist.all_reduce(count, group=self.layout.group("dp"))
-        self._n_tokens = count.clamp_min(1.0)
+        self._n_tokens = global_token_count(batch.get("labels", batch["input_ids"]), self.layout, self.device)
         for stage in self.stages:
             stage.submod.train()
         losses: list = []
