@@ -40,6 +40,27 @@ IGNORE_INDEX = -100
 OptimizerArg = Union[None, torch.optim.Optimizer, Callable[[list], torch.optim.Optimizer]]
 
 
+def check_batch(batch: Mapping[str, Any], engine, accumulation_key: str) -> tuple[Tensor, Tensor]:
+    """(input_ids, labels) of train_batch's `batch`, which must be this dp rank's share of one global step:
+    engine.micro_batch_size x engine.gradient_accumulation_steps rows (accumulation_key names the YAML key of the
+    latter)."""
+    ids = batch.get("input_ids")
+    if ids is None or ids.dim() != 2:
+        raise ValueError("train_batch needs batch['input_ids'] of shape [rows, seq] (this dp rank's share of the "
+                         "global batch)")
+    rows = engine.micro_batch_size * engine.gradient_accumulation_steps
+    if ids.shape[0] != rows:
+        raise ValueError(
+            f"train_batch got {ids.shape[0]} rows; this dp rank's share of a global step is {rows} = "
+            f"runner_config.batch_size x micro_batch_interleave_num ({engine.micro_batch_size}) x {accumulation_key} "
+            f"({engine.gradient_accumulation_steps}); global batch {engine.plan.global_batch_size} / data_parallel "
+            f"{engine.layout.size('dp')}")
+    labels = batch.get("labels", ids)
+    if labels.shape != ids.shape:
+        raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(ids.shape)}")
+    return ids, labels
+
+
 def global_token_count(labels: Tensor, layout, device) -> Tensor:
     """Valid (shifted, not ignored) tokens of the global batch from this dp rank's labels, at least 1, fp32; tp
     and cp peers of a dp rank hold the same rows, so the sum runs over dp only."""
@@ -86,22 +107,7 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ batches
     def _check_batch(self, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
-        ids = batch.get("input_ids")
-        if ids is None or ids.dim() != 2:
-            raise ValueError("train_batch needs batch['input_ids'] of shape [rows, seq] (this dp rank's share of the "
-                             "global batch)")
-        rows = self.micro_batch_size * self.gradient_accumulation_steps
-        if ids.shape[0] != rows:
-            raise ValueError(
-                f"train_batch got {ids.shape[0]} rows; this dp rank's share of a global step is {rows} = "
-                f"runner_config.batch_size x micro_batch_interleave_num ({self.micro_batch_size}) x "
-                f"gradient accumulation ({self.gradient_accumulation_steps}: runner_config.gradient_accumulation_steps"
-                f", or micro_batch_num with pipeline_stage > 1); global batch {self.plan.global_batch_size} / "
-                f"data_parallel {self.layout.size('dp')}")
-        labels = batch.get("labels", ids)
-        if labels.shape != ids.shape:
-            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(ids.shape)}")
-        return ids, labels
+        return check_batch(batch, self, "runner_config.gradient_accumulation_steps")
 
     def _micro_inputs(self, batch: Mapping[str, Any], rows: slice) -> tuple[dict, Tensor]:
         from .context_parallel.batch import inputs_and_targets

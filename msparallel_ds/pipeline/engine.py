@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..context_parallel.batch import inputs_and_targets
-from ..engine import global_token_count, token_loss_sum
+from ..engine import check_batch, global_token_count, token_loss_sum
 from .schedule import build_schedule
 from .split import split_model
 
@@ -108,21 +108,8 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------------------------------ batches
     def _inputs(self, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor, dict]:
-        ids = batch.get("input_ids")
-        rows = self.micro_batch_size * self.gradient_accumulation_steps
-        if ids is None or ids.dim() != 2:
-            raise ValueError("train_batch needs batch['input_ids'] of shape [rows, seq] (this dp rank's share of the "
-                             "global batch)")
-        if ids.shape[0] != rows:
-            raise ValueError(
-                f"train_batch got {ids.shape[0]} rows; this dp rank's share of a global step is {rows} = "
-                f"runner_config.batch_size x micro_batch_interleave_num ({self.micro_batch_size}) x "
-                f"parallel_config.micro_batch_num ({self.gradient_accumulation_steps}); global batch "
-                f"{self.plan.global_batch_size} / data_parallel {self.layout.size('dp')}")
+        ids, _ = check_batch(batch, self, "parallel_config.micro_batch_num")
         batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-        batch.setdefault("labels", batch["input_ids"])
-        if batch["labels"].shape != ids.shape:
-            raise ValueError(f"labels shape {tuple(batch['labels'].shape)} != input_ids shape {tuple(ids.shape)}")
         inputs, targets = inputs_and_targets(batch, self.layout)
         if self.layout.size("cp") == 1:
             inputs.pop("attention_mask", None)  # causal masks are rebuilt per stage; padding masks are not supported
