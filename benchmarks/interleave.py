@@ -11,8 +11,8 @@ world, use_seq_parallel), every variant on the same token ids and weights:
 Two links:
   real          gloo as is. On a CPU machine its threads share the cores with compute, so little can be hidden.
   modelled      every collective completes no earlier than alpha + bus_bytes / bandwidth after it started, by
-                sleeping (comm.modelled_link): a link that costs no CPU, like a GPU's. Unless --bandwidth is given it
-                is calibrated so the baseline's modelled communication time equals its compute time.
+                sleeping (instruments.modelled_link): a link that costs no CPU, like a GPU's. Unless --bandwidth is
+                given it is calibrated so the baseline's modelled communication time equals its compute time.
 Hidden fraction = (baseline step - variant step) / min(compute, comm), the baseline's compute being its step time
 without the modelled link minus the time it blocked in collectives, and comm the modelled (or, for the real link,
 the blocked) collective time per step. 1.0 = everything hideable was hidden; the speedup bound is 2x.
@@ -73,7 +73,7 @@ def _worker(rank, a, port, out):
 
     import msparallel_ds as msp
     from msparallel_ds.interleave.multi_copy import install
-    from msparallel_ds.tensor_parallel.comm import comm_stats, modelled_link
+    from msparallel_ds.distributed.instruments import comm_stats, modelled_link
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=a.world)

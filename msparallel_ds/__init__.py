@@ -21,7 +21,7 @@ def from_pretrained(checkpoint_dir, cfg_or_layout, **kwargs):
     this rank's shards of the checkpoint (no rank materializes the full model). kwargs: dtype, device, model_cls."""
     from .distributed.layout import ParallelLayout
     from .strategy import parallelize
-    from .weights import from_pretrained as _load
+    from .checkpoint.hf import from_pretrained as _load
 
     layout = cfg_or_layout if isinstance(cfg_or_layout, ParallelLayout) else init_parallel(
         cfg_or_layout if isinstance(cfg_or_layout, ParallelConfig) else load_config(cfg_or_layout))

@@ -89,7 +89,7 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_convert(args) -> int:
-    from .convert import convert_checkpoint
+    from .checkpoint.convert import convert_checkpoint
 
     try:
         index = convert_checkpoint(args.src, args.dst, args.to_config, timeout=args.timeout,

@@ -28,66 +28,24 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import runtime
+from .distributed.collectives import sum_over
+from .distributed.layout import ParallelLayout
+from .loss import check_batch, global_token_count, token_loss_sum
+from .strategy import Applied
 
 __all__ = ["Engine", "initialize"]
 
-IGNORE_INDEX = -100
 OptimizerArg = Union[None, torch.optim.Optimizer, Callable[[list], torch.optim.Optimizer]]
-
-
-def check_batch(batch: Mapping[str, Any], engine, accumulation_key: str) -> tuple[Tensor, Tensor]:
-    """(input_ids, labels) of train_batch's `batch`, which must be this dp rank's share of one global step:
-    engine.micro_batch_size x engine.gradient_accumulation_steps rows (accumulation_key names the YAML key of the
-    latter)."""
-    ids = batch.get("input_ids")
-    if ids is None or ids.dim() != 2:
-        raise ValueError("train_batch needs batch['input_ids'] of shape [rows, seq] (this dp rank's share of the "
-                         "global batch)")
-    rows = engine.micro_batch_size * engine.gradient_accumulation_steps
-    if ids.shape[0] != rows:
-        raise ValueError(
-            f"train_batch got {ids.shape[0]} rows; this dp rank's share of a global step is {rows} = "
-            f"runner_config.batch_size x micro_batch_interleave_num ({engine.micro_batch_size}) x {accumulation_key} "
-            f"({engine.gradient_accumulation_steps}); global batch {engine.plan.global_batch_size} / data_parallel "
-            f"{engine.layout.size('dp')}")
-    labels = batch.get("labels", ids)
-    if labels.shape != ids.shape:
-        raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(ids.shape)}")
-    return ids, labels
-
-
-def global_token_count(labels: Tensor, layout, device) -> Tensor:
-    """Valid (shifted, not ignored) tokens of the global batch from this dp rank's labels, at least 1, fp32; tp
-    and cp peers of a dp rank hold the same rows, so the sum runs over dp only."""
-    from .context_parallel.batch import shift_labels
-
-    count = (shift_labels(labels) != IGNORE_INDEX).sum().to(torch.float32).to(device)
-    if layout.size("dp") > 1:
-        dist.all_reduce(count, group=layout.group("dp"))
-    return count.clamp_min(1.0)
-
-
-def token_loss_sum(logits: Tensor, targets: Tensor, lm_head: Optional[nn.Module]) -> Tensor:
-    """Sum of the token cross-entropies (ignored labels skipped), in fp32; vocab-parallel logits [..., V/tp] when the
-    head is a vocab-parallel lm_head."""
-    if getattr(lm_head, "tp", 1) > 1 and hasattr(lm_head, "gather_logits"):
-        from .tensor_parallel.vocab import vocab_parallel_cross_entropy
-
-        return vocab_parallel_cross_entropy(logits, targets, lm_head.group, IGNORE_INDEX, "sum")
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
 
 
 class Engine:
     """The parallel model, its DeepSpeed engine and layout. Build with msp.initialize."""
 
-    def __init__(self, ds_engine, layout, plan, lr_scheduler=None):
-        self.ds, self.layout, self.plan = ds_engine, layout, plan
+    def __init__(self, ds_engine, layout: ParallelLayout, plan, applied: Applied, lr_scheduler=None):
+        self.ds, self.layout, self.plan, self.applied = ds_engine, layout, plan, applied
         self.optimizer, self.lr_scheduler = ds_engine.optimizer, lr_scheduler
         self.micro_batch_size = ds_engine.train_micro_batch_size_per_gpu()
         self.gradient_accumulation_steps = ds_engine.gradient_accumulation_steps()
@@ -105,6 +63,11 @@ class Engine:
     def device(self) -> torch.device:
         return self.ds.device
 
+    @property
+    def spec(self):
+        """The shard spec parallelize cut the model by (name -> tp split), for gathers and checkpoints."""
+        return self.applied.spec
+
     # ------------------------------------------------------------------------------------------ batches
     def _check_batch(self, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
         return check_batch(batch, self, "runner_config.gradient_accumulation_steps")
@@ -118,7 +81,7 @@ class Engine:
         return inputs_and_targets(micro, self.layout)
 
     def _token_loss_sum(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return token_loss_sum(logits, targets, getattr(self.model, "lm_head", None))
+        return token_loss_sum(logits, targets, self.applied.adapter.output_head(self.model))
 
     def train_batch(self, batch: Mapping[str, Any]) -> Tensor:
         """One optimizer step on this dp rank's share of the global batch; returns the global-batch mean loss
@@ -129,8 +92,8 @@ class Engine:
         n_tokens = global_token_count(labels, self.layout, self.device)
         self.model.train()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        interleave = getattr(self.model, "msp_interleave", None) or {}
-        summed_copies = interleave.get("copy_loss") == "sum"  # MindSpore's summed copies (interleave.multi_copy)
+        interleave = self.applied.interleave
+        summed_copies = interleave is not None and interleave.copy_loss == "sum"  # MindSpore's (interleave.multi_copy)
         for m in range(self.gradient_accumulation_steps):
             rows = slice(m * self.micro_batch_size, (m + 1) * self.micro_batch_size)
             inputs, targets = self._micro_inputs(batch, rows)
@@ -139,7 +102,7 @@ class Engine:
             if summed_copies:
                 from .interleave.multi_copy import copy_loss_terms
 
-                loss = copy_loss_terms(self._token_loss_sum, logits, targets, labels[rows], interleave["copies"])
+                loss = copy_loss_terms(self._token_loss_sum, logits, targets, labels[rows], interleave.copies)
                 self.ds.backward(loss / self.gradient_accumulation_steps, scale_wrt_gas=False)
                 self.ds.step()
                 total += loss.detach().float()
@@ -148,50 +111,49 @@ class Engine:
             self.ds.backward(loss_sum * (self._grad_divisor / n_tokens), scale_wrt_gas=False)
             self.ds.step()
             total += loss_sum.detach().float()
-        if self.layout.size("dp_cp") > 1:
-            dist.all_reduce(total, group=self.layout.group("dp_cp"))
+        sum_over(self.layout, "dp_cp", total)
         self.global_steps += 1
         if summed_copies:  # MindFormers logs the summed loss / N; averaged over dp ranks and micro-batches
-            return total / (dp * self.gradient_accumulation_steps * interleave["copies"])
+            return total / (dp * self.gradient_accumulation_steps * interleave.copies)
         return total / n_tokens
 
     # ------------------------------------------------------------------------------------------ weights
     def _zero3_gathered(self):
-        from .weights import zero3_gathered
+        from .checkpoint.hf import zero3_gathered
 
         return zero3_gathered(self.model, self.ds.zero_optimization_stage())
 
     def full_state_dict(self, *, rank0_only: bool = False) -> Optional[dict]:
         """The HF-keyed full state dict (tp shards and ZeRO-3 partitions gathered), on CPU; every rank must call."""
-        from .weights import gather_full_state_dict
+        from .checkpoint.reshard import gather_full_state_dict
 
         with self._zero3_gathered():
-            return gather_full_state_dict(self.model, self.layout, rank0_only=rank0_only)
+            return gather_full_state_dict(self.model, self.layout, spec=self.spec, rank0_only=rank0_only)
 
     def save_pretrained(self, save_dir: str, **hf_kwargs) -> None:
         """A normal HF checkpoint of the full (gathered) model, written by global rank 0; every rank must call."""
-        from .weights import save_pretrained
+        from .checkpoint.hf import save_pretrained
 
         with self._zero3_gathered():
-            save_pretrained(self.model, self.layout, save_dir, **hf_kwargs)
+            save_pretrained(self.model, self.layout, save_dir, spec=self.spec, **hf_kwargs)
 
     def save(self, save_dir: str) -> None:
         """A layout-independent checkpoint (weights, Adam moments, steps, lr scheduler): engine.load resumes it
         under this or any other layout (see msparallel_ds.checkpoint). Every rank must call."""
-        from .checkpoint import save_checkpoint
+        from .checkpoint.zero import save_checkpoint
 
         save_checkpoint(self, save_dir)
 
     def load(self, load_dir: str) -> dict:
         """Resume from engine.save(dir), written under any layout; the next steps equal the uninterrupted run's."""
-        from .checkpoint import load_checkpoint
+        from .checkpoint.zero import load_checkpoint
 
         return load_checkpoint(self, load_dir)
 
 
 def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer: OptimizerArg = None, *,
-               layout=None, lr_scheduler=None, deepspeed_config: Optional[Mapping[str, Any]] = None,
-               timeout_s: Optional[float] = None) -> Engine:
+               layout: Optional[ParallelLayout] = None, lr_scheduler=None,
+               deepspeed_config: Optional[Mapping[str, Any]] = None, timeout_s: Optional[float] = None) -> Engine:
     """Parallelize `model` for the YAML `cfg` (path, dict, YAML text or ParallelConfig) and wrap it in DeepSpeed
     with our mpu. Starts torch.distributed from the launcher's environment if the script has not.
     `model` may be a zero-argument callable that builds it: it is called after the YAML has been checked against
@@ -201,14 +163,15 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer:
 
     from .config import ParallelConfig, load_config
     from .distributed.layout import init_parallel
-    from .strategy import parallelize
+    from .strategy import applied_to, parallelize
 
     cfg = cfg if isinstance(cfg, ParallelConfig) else load_config(cfg)
     if not torch.cuda.is_available():  # before deepspeed.init_distributed, which would build the op on CPU
         runtime.disable_inference_shm_build()
     runtime.ensure_distributed(timeout_s)
     if layout is None:  # a model from msp.from_pretrained / msp.parallelize brings its layout
-        layout = getattr(model, "msp_layout", None) or init_parallel(cfg)
+        done = applied_to(model) if isinstance(model, nn.Module) else None
+        layout = done.layout if done is not None else init_parallel(cfg)
     if not isinstance(model, nn.Module):
         model = model()
     plan = layout.plan
@@ -219,7 +182,7 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer:
             raise ValueError("deepspeed_config overrides apply to the DeepSpeed engine, which pipeline_stage > 1 does "
                              "not use; drop them (the YAML drives the pipeline engine)")
         return initialize_pipeline(model, layout, optimizer, lr_scheduler=lr_scheduler)
-    model = parallelize(model, layout)
+    model = parallelize(model, layout)  # a no-op for a model msp.parallelize already did for this layout
     model.to(runtime.training_device(layout))
     ds_config = runtime.deepspeed_config(plan, layout, overrides=deepspeed_config)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -229,4 +192,4 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer:
         opt = (optimizer or runtime.torch_optimizer(plan))(params)
     ds_engine, _, _, sched = deepspeed.initialize(model=model, optimizer=opt, model_parameters=params,
                                                    config=ds_config, mpu=layout.mpu(), lr_scheduler=lr_scheduler)
-    return Engine(ds_engine, layout, plan, sched)
+    return Engine(ds_engine, layout, plan, applied_to(model), sched)

@@ -2,7 +2,7 @@
 
 Assumptions (stated so the numbers can be checked):
 - Parameters: per layer q,o = h*h each, k,v = h*(kv*h/heads) each, SwiGLU MLP 3*h*ffn (ffn = ffn_hidden_size, or
-  8h/3 rounded up to 256 when absent), two norms 2h; embedding and an untied lm_head V*h each, split over tp when
+  8h/3 rounded up to 256 when absent), two norms 2h; embedding and an untied output head V*h each, split over tp when
   vocab parallel. The worst rank holds the busiest pipeline stage plus the embedding (first stage) or the head.
 - Bytes: weights and gradients in the compute dtype (bf16/fp16: 2, fp32: 4); Adam state 12 bytes/param in mixed
   precision (fp32 master + m + v) or 8 in fp32. ZeRO-1 divides optimizer state, ZeRO-2 also gradients, ZeRO-3

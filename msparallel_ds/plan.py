@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from .config.errors import ConfigError, ConfigIssue
 from .config.rules import layers_per_stage, ulysses_degree, virtual_stages
 from .config.schema import ParallelConfig
 from .memory import MemoryEstimate, estimate_memory
+from .optim_plan import lr_schedule_entry, optimizer_entry
 
 DEFAULT_SELECT = [r"feed_forward\.mul", r"feed_forward\.w1\.activation\.silu"]  # MindFormers' defaults
 DEFAULT_SELECT_COMM = [r".*\.norm"]
@@ -200,16 +201,13 @@ def make_plan(cfg: ParallelConfig | Any, world_size: Optional[int] = None) -> Pl
         recompute=recompute, compute_dtype=DTYPE_SHORT[cfg.model.compute_dtype],
         param_dtype=DTYPE_SHORT[cfg.model.param_init_type], loss_scale=_loss_scale(cfg, notes),
         gradient_clipping=cfg.runner_wrapper.max_grad_norm if cfg.runner_wrapper.use_clip_grad else None,
-        optimizer=_optimizer(cfg), lr_schedule=_lr_schedule(cfg), memory=None, notes=(),
+        optimizer=optimizer_entry(cfg), lr_schedule=lr_schedule_entry(cfg), memory=None, notes=(),
     )
     if cfg.ep > 1:
         notes.append(f"expert_parallel={cfg.ep} is recorded; MoE expert sharding is not built by msparallel_ds yet")
     if cfg.parallel.parallel_mode in ("auto_parallel", "hybrid_parallel"):
         notes.append(f"parallel_mode={cfg.parallel.parallel_mode}: the parallel_config degrees are used as given")
-    memory = estimate_memory(plan)
-    object.__setattr__(plan, "memory", memory)
-    object.__setattr__(plan, "notes", tuple(notes))
-    return plan
+    return replace(plan, memory=estimate_memory(plan), notes=tuple(notes))
 
 
 def _mesh(cfg: ParallelConfig, world_size: Optional[int], notes: list[str]) -> Mesh:
@@ -396,32 +394,3 @@ def _loss_scale(cfg: ParallelConfig, notes: list[str]) -> LossScalePlan:
             notes.append(f"loss_scale_value={ls.value:g} starts at 2^{round(math.log2(ls.value))} in DeepSpeed "
                          "(initial scales are powers of two)")
     return LossScalePlan(kind=ls.kind, initial=ls.value, factor=ls.factor, window=ls.window)
-
-
-_ADAMW = {"adamw", "fusedadamweightdecay", "adamweightdecay", "adamweightdecayx", "fp32adamweightdecay",
-          "pmaadamw", "adam"}
-
-
-def _optimizer(cfg: ParallelConfig) -> Optional[dict[str, Any]]:
-    opt = cfg.optimizer
-    if opt is None:
-        return None
-    lr = opt.learning_rate
-    if lr is None and cfg.lr_schedule is not None:
-        lr = cfg.lr_schedule.learning_rate
-    kind = "AdamW" if opt.type.lower() in _ADAMW else opt.type
-    params = {"lr": lr, "betas": list(opt.betas) if opt.betas else None, "eps": opt.eps,
-              "weight_decay": opt.weight_decay}
-    return {"type": kind, "mindformers_type": opt.type, "params": {k: v for k, v in params.items() if v is not None}}
-
-
-def _lr_schedule(cfg: ParallelConfig) -> Optional[dict[str, Any]]:
-    s = cfg.lr_schedule
-    if s is None:
-        return None
-    warmup = s.warmup_steps
-    total = s.total_steps if s.total_steps and s.total_steps > 0 else None
-    if warmup is None and s.warmup_ratio is not None and total is not None:
-        warmup = int(s.warmup_ratio * total)
-    return {"type": s.type, "learning_rate": s.learning_rate, "lr_end": s.lr_end, "warmup_steps": warmup,
-            "warmup_ratio": s.warmup_ratio, "total_steps": total}

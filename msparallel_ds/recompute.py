@@ -10,7 +10,8 @@
 Patterns are MindFormers regexes over cell names (`feed_forward\\.mul`, `.*\\.norm`, `attention\\.wq`). MindSpore
 recomputes single operators; PyTorch checkpoints modules, so a trailing operator name (mul, silu, reshape, ...) is
 dropped and the pattern selects the module that runs it, matched against the HF name and MindFormers' name of each
-submodule of a layer (feed_forward = mlp, attention = self_attn, w1/w3/w2 = gate/up/down_proj, ...).
+submodule of a layer (the model-family adapter's `mindformers_names`, e.g. feed_forward and attention for the
+Llama family's MLP and attention blocks).
 
 Checkpointing wraps the module's `forward` (torch.utils.checkpoint, non-reentrant), so parameter names and HF
 checkpoints are unchanged and pre-hooks (e.g. the sequence-parallel split) run outside the recomputed region.
@@ -25,18 +26,6 @@ from torch.utils.checkpoint import checkpoint
 
 __all__ = ["apply_recompute", "checkpoint_module", "select_modules"]
 
-# MindFormers (Llama/Qwen cell names) -> HF Llama-family submodule names inside one decoder layer
-_MINDFORMERS_NAMES = {
-    "self_attn": ["attention"], "mlp": ["feed_forward"],
-    "input_layernorm": ["attention_norm", "attention_norm.norm"],
-    "post_attention_layernorm": ["ffn_norm", "ffn_norm.norm"],
-    "self_attn.q_proj": ["attention.wq", "attention.w_qkv"], "self_attn.k_proj": ["attention.wk", "attention.w_qkv"],
-    "self_attn.v_proj": ["attention.wv", "attention.w_qkv"], "self_attn.o_proj": ["attention.wo"],
-    "self_attn.q_norm": ["attention.q_norm"], "self_attn.k_norm": ["attention.k_norm"],
-    "mlp.gate_proj": ["feed_forward.w1", "feed_forward.w_gate_hidden"],
-    "mlp.up_proj": ["feed_forward.w3", "feed_forward.w_gate_hidden"], "mlp.down_proj": ["feed_forward.w2"],
-    "mlp.act_fn": ["feed_forward.w1.activation", "feed_forward.activate", "feed_forward.w1.activation.silu"],
-}
 # MindSpore primitive names that end a select pattern (an operator, not a cell)
 _OPS = {"mul", "add", "silu", "gelu", "reshape", "cast", "matmul", "batchmatmul", "bmm", "transpose", "softmax",
         "merger_head_transpose", "activation", "activate", "tile", "concat", "split", "sum", "square", "rsqrt", "norm"}
@@ -66,14 +55,15 @@ def _module_regex(pattern: str) -> re.Pattern:
     return re.compile(r"\.".join(parts))
 
 
-def select_modules(layer: nn.Module, pattern: str) -> list[str]:
-    """Names (relative to `layer`) of the submodules a MindFormers select pattern names; outermost only."""
+def select_modules(layer: nn.Module, pattern: str, mindformers_names: dict[str, list[str]]) -> list[str]:
+    """Names (relative to `layer`) of the submodules a MindFormers select pattern names; outermost only.
+    mindformers_names: HF submodule name -> MindFormers cell names (the adapter's)."""
     rx = _module_regex(pattern)
     hits = []
     for name, _ in layer.named_modules():
         if not name:
             continue
-        names = [name, *_MINDFORMERS_NAMES.get(name, [])]
+        names = [name, *mindformers_names.get(name, [])]
         if any(rx.fullmatch(n) for n in names):
             hits.append(name)
     return [h for h in hits if not any(h.startswith(o + ".") for o in hits)]
@@ -86,35 +76,39 @@ def _count(value, stage: int, chunk: int = 0):
     return value[chunk][stage] if value and isinstance(value[0], list) else value[stage]
 
 
-def apply_recompute(model: nn.Module, recompute, *, layers: nn.ModuleList | None = None, stage: int = 0,
-                    chunk: int = 0) -> dict[str, list[str]]:
-    """Checkpoint what `recompute` (a Plan.recompute) asks for in `layers` (default: the HF decoder layers) of
-    pipeline stage `stage`. Returns {layer index: [recomputed submodule names]} ('' = the whole layer)."""
+def apply_recompute(part: nn.Module, recompute, *, stage: int = 0, chunk: int = 0) -> dict[str, list[str]]:
+    """Checkpoint what `recompute` (a Plan.recompute) asks for in the decoder layers of `part` (a HF model or a
+    pipeline stage), pipeline stage `stage`, virtual chunk `chunk`. Returns {global layer index: [recomputed
+    submodule names]} ('' = the whole layer)."""
     if recompute is None or recompute.mode == "none":
         return {}
-    layers = model.get_submodule(model.base_model_prefix).layers if layers is None else layers
+    from .models import adapter_for
+
+    adapter = adapter_for(part)
+    items = adapter.layer_items(part)
+    layers = [layer for _, layer in items]
     done: dict[str, list[str]] = {}
     if recompute.mode in ("full", "layers"):
         n = len(layers) if recompute.mode == "full" else _count(recompute.layers, stage, chunk)
-        for i, layer in enumerate(layers):
+        for i, (index, layer) in enumerate(items):
             if i < n:
                 checkpoint_module(layer)
-                done[str(i)] = [""]
+                done[str(index)] = [""]
     for key, patterns in (("recompute_config.select_recompute", recompute.select),
                           ("recompute_config.select_comm_recompute", recompute.select_comm)):
         for pattern, value in patterns.items():
             n = _count(value, stage, chunk)
             n = len(layers) if n is None else n
-            if n and not select_modules(layers[0], pattern):
+            if n and not select_modules(layers[0], pattern, adapter.mindformers_names):
                 names = ", ".join(name for name, _ in layers[0].named_modules() if name)
                 raise ValueError(f"{key}: pattern {pattern!r} names no submodule of a "
                                  f"{type(layers[0]).__name__} (modules: {names}; MindFormers names such as "
                                  f"feed_forward, attention, w1/w2/w3 are understood); fix or drop the pattern")
-            for i, layer in enumerate(layers):
+            for i, (index, layer) in enumerate(items):
                 if i >= n:
                     continue
-                for name in select_modules(layer, pattern):
-                    have = done.setdefault(str(i), [])
+                for name in select_modules(layer, pattern, adapter.mindformers_names):
+                    have = done.setdefault(str(index), [])
                     if any(d == "" or name == d or name.startswith(d + ".") for d in have):
                         continue  # already inside a recomputed module
                     checkpoint_module(layer.get_submodule(name))

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .distributed.layout import ParallelLayout
 
 __all__ = ["deepspeed_config", "disable_inference_shm_build", "ensure_distributed", "torch_optimizer",
            "training_device"]
@@ -30,7 +33,7 @@ def ensure_distributed(timeout_s: Optional[float]) -> None:
     deepspeed.init_distributed(dist_backend=backend, **kwargs)
 
 
-def training_device(layout) -> torch.device:
+def training_device(layout: ParallelLayout) -> torch.device:
     if layout.device_type == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device(layout.device_type)
@@ -49,7 +52,7 @@ def torch_optimizer(plan) -> Callable[[list], torch.optim.Optimizer]:
     return lambda p: torch.optim.AdamW(p, **params)
 
 
-def deepspeed_config(plan, layout, *, overrides: Optional[Mapping]) -> dict:
+def deepspeed_config(plan, layout: ParallelLayout, *, overrides: Optional[Mapping]) -> dict:
     ds = plan.to_deepspeed()
     ds.pop("optimizer", None)  # always a torch optimizer (DeepSpeed's fused ones need a native build)
     if layout.device_type != "cuda":

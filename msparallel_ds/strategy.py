@@ -1,44 +1,152 @@
-"""msp.parallelize(model, layout): the YAML's strategy applied to a HF decoder, in one place.
+"""parallelize: the YAML's strategy applied to one model part, in one place and one order, for every engine.
+
+A part is a whole HF causal LM (msp.parallelize, the DeepSpeed engine, accelerate, the Trainer) or one pipeline
+stage/chunk cut from it first (the pipeline engine calls this once per chunk). The order:
+1. tensor / sequence / vocab parallel (replaces Linear / Embedding modules by the adapter's TP plan);
+2. context-parallel attention (an attention-function switch, no module change);
+3. recompute (wraps the forwards of the final modules; per pipeline stage and chunk);
+4. multi-copy / fine-grain interleave (the part's decoder layers run through the interleave runner).
+It returns `Applied`, a small record of what was done (the shard spec among it), which the engine holds.
 
 (The module is not named `parallelize`: a submodule of that name would replace the function `msp.parallelize` as
 an attribute of the package as soon as it is imported.)
-
-Order matters: tensor/sequence/vocab parallel first (it replaces Linear/Embedding modules), then context-parallel
-attention (an attention-function switch, no module change), then recompute (wraps forwards of the final modules).
-Every option defaults to the layout's Plan (use_seq_parallel, vocab_emb_dp, context_parallel_algo,
-recompute_config); pass one to override it. The input sequence is sharded over cp by the caller
-(`context_parallel.batch.shard_batch`, which msp.initialize's engine does for every micro-batch).
 """
 from __future__ import annotations
 
+import dataclasses
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from torch import nn
 
-__all__ = ["parallelize"]
+from .distributed.layout import ParallelLayout
+from .models import DecoderAdapter, adapter_for
+from .tensor_parallel.spec import ShardSpec
+
+__all__ = ["Applied", "Interleave", "Options", "applied_to", "combine", "parallelize", "parallelize_part"]
+
+COPY_LOSS_MODES = ("mean", "sum")
 
 
-def _plan_value(layout, name: str, default: Any) -> Any:
-    return getattr(getattr(layout, "plan", None), name, default)
+@dataclass(frozen=True)
+class Interleave:
+    """micro_batch_interleave_num (copies), fine_grain_interleave (chunks per layer) and how copies' losses add."""
+
+    copies: int = 1
+    fine_grain: int = 1
+    copy_loss: str = "mean"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
-def parallelize(model: nn.Module, layout, *, sequence_parallel: Optional[bool] = None,
+@dataclass(frozen=True)
+class Options:
+    """What to apply; `Options.from_plan(layout.plan)` is the YAML's, overrides come through dataclasses.replace."""
+
+    sequence_parallel: bool = False
+    vocab_parallel: bool = False
+    cp_algo: Optional[str] = None
+    cp_backend: Optional[str] = None
+    recompute: Any = None              # a Plan.recompute
+    interleave: Interleave = field(default_factory=Interleave)
+
+    @classmethod
+    def from_plan(cls, plan: Any) -> Options:
+        get = lambda name, default: getattr(plan, name, default)  # noqa: E731 - a bare plan stand-in is fine
+        return cls(sequence_parallel=bool(get("sequence_parallel", False)),
+                   vocab_parallel=bool(get("vocab_parallel", False)), cp_algo=get("cp_algo", None),
+                   recompute=get("recompute", None),
+                   interleave=Interleave(get("micro_batch_interleave_num", 1), get("fine_grain_interleave", 1)))
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What parallelize applied to a part: the adapter, the TP plan and its shard spec, the effective SP / vocab /
+    cp settings, the recomputed modules ({global layer index: [submodule names]}, '' = the whole layer) and the
+    interleave (None when off)."""
+
+    layout: ParallelLayout
+    adapter: DecoderAdapter
+    tp_plan: dict[str, str]
+    spec: ShardSpec
+    sequence_parallel: bool
+    vocab_parallel: bool
+    cp_algo: Optional[str]
+    recompute: dict[str, list[str]]
+    interleave: Optional[Interleave]
+
+
+def combine(records: list[Applied]) -> Applied:
+    """One record for the parts one rank holds (a pipeline rank's chunks): specs and recompute maps merged."""
+    first = records[0]
+    spec = ShardSpec({n: s for r in records for n, s in r.spec.items()})
+    recompute = {k: v for r in records for k, v in r.recompute.items()}
+    return dataclasses.replace(first, spec=spec, recompute=recompute)
+
+
+def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, *, stage: int = 0,
+                     chunk: int = 0) -> Applied:
+    """Apply `options` to `part` in place (see the module docstring) and return what was applied. `stage` and
+    `chunk`: the part's pipeline stage and virtual chunk (recompute lists are per stage and chunk)."""
+    from .recompute import apply_recompute
+    from .tensor_parallel.apply import apply_tp
+
+    adapter = adapter_for(part)
+    tp = layout.size("tp")
+    names = [n for n, _ in part.named_parameters(remove_duplicate=False)]
+    plan: dict[str, str] = {}
+    if tp > 1:
+        plan = adapter.tp_plan(part.config, tp, sequence_parallel=options.sequence_parallel,
+                               vocab_parallel=options.vocab_parallel)
+        apply_tp(part, layout, adapter, plan)
+    spec = ShardSpec.from_plan(plan, names)
+    cp_algo = None
+    if layout.size("cp") > 1:
+        from .context_parallel.api import resolve_algo
+        from .integrations.hf_attention import use_cp_attention
+
+        use_cp_attention(part, layout, algo=options.cp_algo, backend=options.cp_backend)
+        cp_algo = resolve_algo(layout, options.cp_algo)
+    recompute = apply_recompute(part, options.recompute, stage=stage, chunk=chunk)
+    inter = options.interleave
+    interleave = None
+    if inter.copies > 1 or inter.fine_grain > 1 or inter.copy_loss != "mean":
+        from .interleave.multi_copy import install
+
+        install(part, inter.copies, inter.fine_grain, copy_loss=inter.copy_loss)
+        interleave = inter
+    return Applied(layout=layout, adapter=adapter, tp_plan=plan, spec=spec,
+                   sequence_parallel=bool(options.sequence_parallel and tp > 1),
+                   vocab_parallel=bool(options.vocab_parallel and tp > 1), cp_algo=cp_algo, recompute=recompute,
+                   interleave=interleave)
+
+
+# models parallelized by msp.parallelize -> their record, for msp.initialize / accelerate / the Trainer
+_APPLIED: "weakref.WeakKeyDictionary[nn.Module, Applied]" = weakref.WeakKeyDictionary()
+
+
+def applied_to(model: nn.Module) -> Optional[Applied]:
+    """The record of msp.parallelize(model, ...), or None if it was not parallelized that way."""
+    return _APPLIED.get(model)
+
+
+def parallelize(model: nn.Module, layout: ParallelLayout, *, sequence_parallel: Optional[bool] = None,
                 vocab_parallel: Optional[bool] = None, cp_algo: Optional[str] = None, recompute: Any = None,
                 cp_backend: Optional[str] = None, copy_loss: str = "mean") -> nn.Module:
-    """Shard `model` in place for `layout` and return it. Every rank must pass the same weights (same seed or
-    checkpoint); each keeps only its shards. A model on the meta device is fine (load weights afterwards with
-    msparallel_ds.weights.load_sharded_checkpoint, or use msp.from_pretrained).
+    """Shard a whole HF causal LM in place for `layout` and return it. Every rank must pass the same weights (same
+    seed or checkpoint); each keeps only its shards. A model on the meta device is fine (load weights afterwards
+    with msparallel_ds.checkpoint.load_sharded_checkpoint, or use msp.from_pretrained).
 
-    micro_batch_interleave_num / fine_grain_interleave > 1 (the Plan's) run the decoder layers as interleaved
-    copies / token chunks (msparallel_ds.interleave). copy_loss: "mean" (default) keeps the non-interleaved
-    step's gradient; "sum" is MindSpore's summed copies (each copy's token mean, summed; msp.initialize's engine
-    applies it)."""
-    from .recompute import apply_recompute
-    from .tensor_parallel.apply import tp_parallelize
-
-    done = getattr(model, "msp_layout", None)
+    Every option defaults to the layout's Plan (use_seq_parallel, vocab_emb_dp, context_parallel_algo,
+    recompute_config, micro_batch_interleave_num, fine_grain_interleave); pass one to override it. copy_loss:
+    "mean" (default) keeps the non-interleaved step's gradient; "sum" is MindSpore's summed copies (each copy's
+    token mean, summed; msp.initialize's engine applies it). The input sequence is sharded over cp by the caller
+    (context_parallel.batch.shard_batch, which msp.initialize's engine does for every micro-batch)."""
+    done = applied_to(model)
     if done is not None:
-        if done is not layout:
+        if done.layout is not layout:
             raise ValueError("this model was already parallelized for another ParallelLayout; build a fresh model")
         return model
     if layout.size("pp") > 1:
@@ -46,23 +154,14 @@ def parallelize(model: nn.Module, layout, *, sequence_parallel: Optional[bool] =
                          "model by itself; pass the plain HF model to msp.initialize(model, cfg, optimizer=...), whose "
                          "pipeline engine splits it into stages and runs the schedule (under torchrun or the "
                          "deepspeed launcher)")
-    tp = layout.size("tp")
-    sp = _plan_value(layout, "sequence_parallel", False) if sequence_parallel is None else sequence_parallel
-    vocab = _plan_value(layout, "vocab_parallel", False) if vocab_parallel is None else vocab_parallel
-    if tp > 1:
-        tp_parallelize(model, layout, sequence_parallel=bool(sp), vocab_parallel=bool(vocab))
-    if layout.size("cp") > 1:
-        from .integrations.hf_attention import use_cp_attention
-
-        use_cp_attention(model, layout, algo=cp_algo, backend=cp_backend)
-    recompute = _plan_value(layout, "recompute", None) if recompute is None else recompute
-    model.msp_recompute = apply_recompute(model, recompute, stage=layout.rank("pp"))
-    copies = _plan_value(layout, "micro_batch_interleave_num", 1)
-    chunks = _plan_value(layout, "fine_grain_interleave", 1)
-    if copies > 1 or chunks > 1 or copy_loss != "mean":
-        from .interleave.multi_copy import install
-
-        install(model, copies, chunks, copy_loss=copy_loss)
-    model.msp_layout = layout
+    if copy_loss not in COPY_LOSS_MODES:
+        raise ValueError(f"copy_loss={copy_loss!r}: one of {COPY_LOSS_MODES} ('mean': the non-interleaved step's "
+                         "gradient; 'sum': MindSpore's summed copies)")
+    options = Options.from_plan(getattr(layout, "plan", None))
+    overrides = {k: v for k, v in (("sequence_parallel", sequence_parallel), ("vocab_parallel", vocab_parallel),
+                                   ("cp_algo", cp_algo), ("recompute", recompute), ("cp_backend", cp_backend))
+                 if v is not None}
+    options = dataclasses.replace(options, interleave=dataclasses.replace(options.interleave, copy_loss=copy_loss),
+                                  **overrides)
+    _APPLIED[model] = parallelize_part(model, layout, options)
     return model
-

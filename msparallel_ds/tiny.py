@@ -7,8 +7,12 @@ its UTF-8 bytes, so the vocabulary is 256.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .distributed.layout import ParallelLayout
 
 __all__ = ["VOCAB", "dp_rows", "text_batches", "text_tokens", "tiny_llama", "tiny_llama_config"]
 
@@ -36,7 +40,7 @@ def text_batches(steps: int, rows: int, seq_len: int, *, seed: int = 0) -> list[
     return out
 
 
-def dp_rows(batch: dict[str, torch.Tensor], layout) -> dict[str, torch.Tensor]:
+def dp_rows(batch: dict[str, torch.Tensor], layout: ParallelLayout) -> dict[str, torch.Tensor]:
     """This dp rank's contiguous share of a global batch (tp and cp peers get the same rows)."""
     dp, d = layout.size("dp"), layout.rank("dp")
     rows = next(iter(batch.values())).shape[0]

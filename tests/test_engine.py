@@ -34,7 +34,7 @@ def _check_hf_round_trip(engine, save_dir):
     from transformers import LlamaForCausalLM
 
     import msparallel_ds as msp
-    from msparallel_ds.tensor_parallel.comm import all_gather_along
+    from msparallel_ds.distributed.collectives import all_gather_along
 
     engine.save_pretrained(save_dir)
     ids, _ = global_batch(99, 2)
@@ -55,6 +55,7 @@ def _train(rank, world_size, name, save_dir=None):
     import torch
 
     import msparallel_ds as msp
+    from msparallel_ds.protocol import TrainEngine
 
     yaml, opts = LAYOUTS[name]
     cfg = msp.load_config(tiny_config(**yaml))
@@ -92,10 +93,11 @@ def _train(rank, world_size, name, save_dir=None):
         "clipped": clipped,
         "round_trip": round_trip,
         "bad_batch": bad_batch,
-        "recompute": model.msp_recompute,
+        "recompute": engine.applied.recompute,
         "calls_per_micro": calls_per_micro,
         "sizes": {n: lay.size(n) for n in ("dp", "tp", "cp", "cp_ring", "cp_ulysses")},
         "zero": engine.ds.zero_optimization_stage(),
+        "train_engine": isinstance(engine, TrainEngine),
         "sp_norm_grad_hooked": (all(getattr(p, "tp_grad_allreduce", False)
                                     for n, p in model.named_parameters() if "layernorm" in n)
                                 if yaml.get("sp") else None),
@@ -108,6 +110,7 @@ def test_engine_matches_single_process(name, tmp_path):
     results = run_distributed(_train, 4, name, str(tmp_path / "hf") if opts.get("save") else None, timeout=300)
     for rank, r in enumerate(results):
         assert r["same_keys"], (rank, r)
+        assert r["train_engine"], rank  # the surface both engines share (msparallel_ds.protocol)
         assert "runner_config.batch_size" in r["bad_batch"], r["bad_batch"]
         assert r["loss_rel"] <= 1e-4, (name, rank, r)
         assert r["weights"] <= 5e-5, (name, rank, r)  # Adam moved them by r["moved"] (~3e-3)

@@ -87,11 +87,13 @@ def _run(rank, world_size, references):
 
 
 def _run_layout(name, ref_losses, ref_state):
+    from msparallel_ds.interleave import installed
+
     yaml, variants = LAYOUTS[name]
     out, base = {}, None
     for mbi, fgi in variants:
         engine = _engine(yaml, mbi, fgi)
-        interleave = getattr(engine.model, "msp_interleave", None)
+        interleave = installed(engine.model)
         logits, grads = _grads(engine, fgi)
         if base is None:
             base = (logits, grads)
@@ -136,7 +138,7 @@ def _summed_copies(yaml):
         engine = _engine({**yaml, "clip": 0}, 2, 1, optimizer=_GradProbe, copy_loss=mode)
         loss = engine.train_batch(_share(engine, 0)).item()
         res[mode] = (loss, type(engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer")
-                                else engine.optimizer).seen, engine.model.msp_interleave["copy_loss"])
+                                else engine.optimizer).seen, engine.applied.interleave.copy_loss)
     (lm, gm, mode_m), (ls, gs, mode_s) = res["mean"], res["sum"]
     assert len(gm) == len(gs) > 0
     return {"modes": (mode_m, mode_s), "loss_rel": abs(ls - lm) / lm,

@@ -1,4 +1,4 @@
-"""The interleave order, from the comm layer's event recorder (deterministic, no timing): in forward and in
+"""The interleave order, from the collectives' event recorder (deterministic, no timing): in forward and in
 backward, while one copy's tensor/sequence-parallel collective is in flight (between its issue and its wait),
 another copy computes; in backward each QKV / gate-up input-grad collective is in flight during that copy's
 weight-grad GEMMs. Negative control: with N = 1 no window holds another copy's compute.
@@ -24,7 +24,7 @@ CASES = {  # name -> (tiny_config kwargs, micro_batch_interleave_num, fine_grain
 def _record(rank, world_size):
     import msparallel_ds as msp
     from msparallel_ds.interleave.multi_copy import install
-    from msparallel_ds.tensor_parallel.comm import _Instruments, recording
+    from msparallel_ds.distributed.instruments import current_log, recording
 
     logs = {}
     for name, (yaml, mbi, fgi) in CASES.items():
@@ -42,7 +42,7 @@ def _record(rank, world_size):
                 model(input_ids=ids, use_cache=False).logits.sum().backward()
             runs.append(list(log))
         logs[name] = runs
-    logs["off_after"] = _Instruments.log  # no recorder left on
+    logs["off_after"] = current_log()  # no recorder left on
     return logs
 
 

@@ -62,6 +62,8 @@ def _train(name):
     import torch
 
     import msparallel_ds as msp
+    from msparallel_ds.interleave import installed
+    from msparallel_ds.protocol import TrainEngine
 
     yaml, opts = LAYOUTS[name]
     engine = msp.initialize(tiny_model(), msp.load_config(pp_config(**yaml)), optimizer=_adamw)
@@ -74,10 +76,10 @@ def _train(name):
     state = engine.full_state_dict(rank0_only=True)
     lay = engine.layout
     return {"losses": losses, "state": state, "rows": _rows(engine) * lay.size("dp"),
-            "stage_ids": engine.stage_ids, "recompute": engine.model.msp_recompute, "bad_batch": bad_batch,
+            "stage_ids": engine.stage_ids, "recompute": engine.applied.recompute, "bad_batch": bad_batch,
             "layers": [n for n, _ in engine.model.named_parameters() if n.endswith("input_layernorm.weight")],
-            "optimizer": type(engine.optimizer).__name__,
-            "interleaved": [bool(stage.submod.interleaved) for stage in engine.stages], "sizes": {n: lay.size(n) for n in ("pp", "dp", "tp", "cp")}}
+            "optimizer": type(engine.optimizer).__name__, "train_engine": isinstance(engine, TrainEngine),
+            "interleaved": [installed(stage.submod) is not None for stage in engine.stages], "sizes": {n: lay.size(n) for n in ("pp", "dp", "tp", "cp")}}
 
 
 def _checkpoint_chain(save_dir):
@@ -165,6 +167,7 @@ def test_pipeline_matches_single_process(group, tmp_path):
             rel = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses))
             assert rel <= 1e-4, (name, rank, r["losses"], ref_losses)  # every rank returns the global mean
             assert "micro_batch_num" in r["bad_batch"], r["bad_batch"]
+            assert r["train_engine"], (name, rank)  # the surface both engines share (msparallel_ds.protocol)
         werr = _weights_error(r0["state"], ref_state)
         moved = max((tiny_model().state_dict()[k] - v).abs().max().item() for k, v in ref_state.items())
         assert werr <= 5e-5 and moved > 1e-3, (name, werr, moved)

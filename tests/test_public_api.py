@@ -5,8 +5,8 @@ import importlib
 def test_public_functions_survive_submodule_imports():
     import msparallel_ds as msp
 
-    for module in ("engine", "strategy", "weights", "checkpoint", "convert", "runtime", "pipeline.engine",
-                   "interleave.multi_copy"):
+    for module in ("engine", "strategy", "checkpoint.hf", "checkpoint", "checkpoint.convert", "runtime",
+                   "pipeline.engine", "interleave.multi_copy"):
         importlib.import_module(f"msparallel_ds.{module}")
     for name in ("parallelize", "initialize", "from_pretrained", "init_parallel", "shard_batch"):
         assert callable(getattr(msp, name)) and not hasattr(getattr(msp, name), "__path__"), name

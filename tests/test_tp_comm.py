@@ -1,4 +1,5 @@
-"""Autograd collectives (tensor_parallel/comm.py) on 4 gloo processes against single-process math.
+"""Autograd collectives (tensor_parallel/mappings.py over distributed/collectives.py) on 4 gloo processes against
+single-process math.
 
 Every rank builds every rank's input and upstream grad from fixed seeds, runs one collective forward + backward on
 its own tensors, and compares the output and the input grad with what plain torch computes from all of them. Groups:
@@ -70,21 +71,22 @@ def _grad_shape(op, n, dim):
 
 
 def _run_op(op, x, group, dim):
-    from msparallel_ds.tensor_parallel import comm
+    from msparallel_ds.tensor_parallel import mappings
 
-    return {"copy": lambda: comm.copy_to_region(x, group),
-            "reduce": lambda: comm.reduce_from_region(x, group),
-            "gather_seq": lambda: comm.gather_from_sequence_region(x, group, dim),
-            "reduce_scatter_seq": lambda: comm.reduce_scatter_to_sequence_region(x, group, dim),
-            "scatter": lambda: comm.scatter_to_region(x, group, dim),
-            "gather": lambda: comm.gather_from_region(x, group, dim)}[op]()
+    return {"copy": lambda: mappings.copy_to_region(x, group),
+            "reduce": lambda: mappings.reduce_from_region(x, group),
+            "gather_seq": lambda: mappings.gather_from_sequence_region(x, group, dim),
+            "reduce_scatter_seq": lambda: mappings.reduce_scatter_to_sequence_region(x, group, dim),
+            "scatter": lambda: mappings.scatter_to_region(x, group, dim),
+            "gather": lambda: mappings.gather_from_region(x, group, dim)}[op]()
 
 
 def _cases(rank, world_size):
     import torch
     import torch.distributed as dist
 
-    from msparallel_ds.tensor_parallel import comm
+    from msparallel_ds.distributed import collectives
+    from msparallel_ds.tensor_parallel import mappings
 
     errors = {}
     for name, mesh in MESHES.items():
@@ -113,7 +115,8 @@ def _cases(rank, world_size):
                         assert not torch.allclose(got, world, atol=1e-2), (op, dim)
 
         # uneven slices: the same clear error on every rank, before any collective
-        for fn in (comm.reduce_scatter_to_sequence_region, comm.scatter_to_region, comm.reduce_scatter_along):
+        for fn in (mappings.reduce_scatter_to_sequence_region, mappings.scatter_to_region,
+                   collectives.reduce_scatter_along):
             with pytest.raises(ValueError, match=rf"has size 3, which is not divisible by the group size {n}"):
                 fn(torch.ones(2, 3, requires_grad=True), group, 1)
 
@@ -148,7 +151,7 @@ def _cases(rank, world_size):
     x = torch.ones(4, 4, requires_grad=True)
     for op in OPS:
         assert _run_op(op, x, lay.group("tp"), 0) is x, op
-    for fn in (comm.all_gather_along, comm.reduce_scatter_along, comm.split_along):
+    for fn in (collectives.all_gather_along, collectives.reduce_scatter_along, collectives.split_along):
         assert fn(x, lay.group("tp"), 0) is x
     return errors
 
@@ -170,6 +173,6 @@ def test_collectives_match_single_process_math():
 
 def test_ulysses_reexports_the_moved_all_to_all():
     from msparallel_ds.context_parallel import ulysses
-    from msparallel_ds.tensor_parallel import comm
+    from msparallel_ds.tensor_parallel import mappings as comm
 
     assert ulysses.seq_to_head is comm.seq_to_head and ulysses.HeadToSeqAllToAll is comm.HeadToSeqAllToAll

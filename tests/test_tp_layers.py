@@ -40,7 +40,7 @@ def _mlp(lay, act, bias, sp, seq_dim=1, variant="", seed=0):
     from torch import nn
 
     from msparallel_ds.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from msparallel_ds.tensor_parallel.comm import all_gather_along
+    from msparallel_ds.distributed.collectives import all_gather_along
 
     group, n, i = lay.group("tp"), lay.size("tp"), lay.rank("tp")
     torch.manual_seed(seed)  # same weights on every rank
@@ -93,7 +93,7 @@ def _embedding(lay, padding_idx, sp, seed):
     from torch import nn
 
     from msparallel_ds.tensor_parallel import VocabParallelEmbedding
-    from msparallel_ds.tensor_parallel.comm import all_gather_along
+    from msparallel_ds.distributed.collectives import all_gather_along
 
     group, n, i = lay.group("tp"), lay.size("tp"), lay.rank("tp")
     torch.manual_seed(seed)
@@ -151,7 +151,7 @@ def _lm_head(lay, sp, seed):
     from torch import nn
 
     from msparallel_ds.tensor_parallel import ParallelLMHead
-    from msparallel_ds.tensor_parallel.comm import all_gather_along
+    from msparallel_ds.distributed.collectives import all_gather_along
 
     group, n, i = lay.group("tp"), lay.size("tp"), lay.rank("tp")
     torch.manual_seed(seed)

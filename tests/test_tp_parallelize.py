@@ -55,7 +55,7 @@ def _tp_parity(rank, world_size, cases, build=tiny_llama):
         tp_parallelize,
         vocab_parallel_causal_lm_loss,
     )
-    from msparallel_ds.tensor_parallel.comm import all_gather_along
+    from msparallel_ds.distributed.collectives import all_gather_along
 
     g = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, 64, (2, 16), generator=g)

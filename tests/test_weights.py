@@ -38,7 +38,7 @@ def _tp(vocab, sp=False):
 def _full_logits(model, layout, vocab):
     import torch
 
-    from msparallel_ds.tensor_parallel.comm import all_gather_along
+    from msparallel_ds.distributed.collectives import all_gather_along
 
     with torch.no_grad():
         logits = model(input_ids=_ids()).logits
@@ -57,7 +57,7 @@ def _error(fn):
 def _grad_error(model, layout, ref_grads):
     """Loaded models train: weight grads (tp-sharded ones gathered) equal the unsharded model's. This covers the
     Qwen3 q_norm/k_norm grad all-reduce hooks, which live on the Parameters the loader replaces."""
-    from msparallel_ds.tensor_parallel.comm import all_gather_along
+    from msparallel_ds.distributed.collectives import all_gather_along
 
     model(input_ids=_ids(), labels=_ids()).loss.backward()
     err = 0.0
@@ -70,7 +70,7 @@ def _grad_error(model, layout, ref_grads):
 
 
 def _load(rank, world_size, dirs, refs):
-    from msparallel_ds.weights import from_pretrained
+    from msparallel_ds.checkpoint.hf import from_pretrained
 
     results = {}
     for name, cases in LOAD_CASES.items():
@@ -123,7 +123,7 @@ def _train_and_save(rank, world_size, dirs):
     import torch
 
     from msparallel_ds.integrations.hf_attention import use_cp_attention
-    from msparallel_ds.weights import from_pretrained, save_pretrained
+    from msparallel_ds.checkpoint.hf import from_pretrained, save_pretrained
 
     out = {}
     for name, build, dp, tp, shard_size in (("llama", tiny_llama, 2, 2, "30KB"), ("qwen3", tiny_qwen3, 1, 4, None)):
@@ -212,7 +212,7 @@ def test_unsharded_load_concrete_class_dtype_and_in_place(tmp_path):
     import torch
     from transformers import LlamaForCausalLM
 
-    from msparallel_ds.weights import from_pretrained, load_sharded_checkpoint
+    from msparallel_ds.checkpoint.hf import from_pretrained, load_sharded_checkpoint
 
     layout = SimpleNamespace(size=lambda name: 1, rank=lambda name: 0, device_type="cpu")  # no process group
     ref = tiny_llama()
@@ -240,7 +240,7 @@ def test_unsharded_load_concrete_class_dtype_and_in_place(tmp_path):
 
 def test_saved_config_drops_a_custom_attention_name(tmp_path):
     """transformers 5.23 does not write the attention name; versions that do must not leave ours in config.json."""
-    from msparallel_ds.weights import _clean_saved_config
+    from msparallel_ds.checkpoint.hf import clean_saved_config as _clean_saved_config
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "_attn_implementation": "msparallel_cp",
                                                       "attn_implementation": "msparallel_cp"}))

@@ -17,13 +17,16 @@ ulysses (and hybrid when cp_ring == 1, which is Ulysses); ring/hybrid over cp_ri
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .kernels import Backend
+
+if TYPE_CHECKING:
+    from ..distributed.layout import ParallelLayout
 
 __all__ = ["context_parallel_attention", "shard_sequence", "unshard_sequence", "resolve_algo", "ALGOS"]
 
@@ -39,7 +42,7 @@ def _check_layout(layout: Any) -> None:
                         f"{type(layout).__name__}")
 
 
-def resolve_algo(layout: Any, algo: Optional[str] = None) -> str:
+def resolve_algo(layout: ParallelLayout, algo: Optional[str] = None) -> str:
     """The algorithm to run: `algo`, else the plan's cp_algo, else ring (cp_ulysses == 1) / hybrid; checked
     against the layout's cp_ring x cp_ulysses mesh."""
     _check_layout(layout)
@@ -65,7 +68,7 @@ def resolve_algo(layout: Any, algo: Optional[str] = None) -> str:
     return name
 
 
-def _split(layout: Any, algo: str) -> tuple[int, int, int, int]:
+def _split(layout: ParallelLayout, algo: str) -> tuple[int, int, int, int]:
     """(ring, ulysses, ring_rank, ulysses_rank) of this rank's token layout for sharding.py."""
     if algo == "allgather":  # zigzag over the flattened cp group
         return layout.size("cp"), 1, layout.rank("cp"), 0
@@ -100,7 +103,7 @@ def _validate(q: Any, k: Any, v: Any) -> None:
         raise ValueError(f"empty input: q shape {tuple(q.shape)}")
 
 
-def _validate_doc_ids(doc_ids: Any, q: Tensor, layout: Any, name: str) -> str:
+def _validate_doc_ids(doc_ids: Any, q: Tensor, layout: ParallelLayout, name: str) -> str:
     """Checks doc_ids; returns the algorithm that runs them (hybrid without a ring is Ulysses, same token layout)."""
     if not isinstance(doc_ids, Tensor):
         raise TypeError(f"doc_ids must be a torch.Tensor [batch, s_local] of document ids, got "
@@ -120,7 +123,7 @@ def _validate_doc_ids(doc_ids: Any, q: Tensor, layout: Any, name: str) -> str:
     return name
 
 
-def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: Any, causal: bool = True,
+def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: ParallelLayout, causal: bool = True,
                                softmax_scale: Optional[float] = None, algo: Optional[str] = None,
                                backend: Union[None, str, Backend] = None, doc_ids: Optional[Tensor] = None) -> Tensor:
     """Attention over the whole (cp-sharded) sequence. q [b, s_local, h, d], k/v [b, s_local, h_kv, d], each
@@ -182,7 +185,7 @@ def _dim(x: Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
-def shard_sequence(x: Tensor, layout: Any, dim: int = 1, algo: Optional[str] = None, *, pad: bool = False,
+def shard_sequence(x: Tensor, layout: ParallelLayout, dim: int = 1, algo: Optional[str] = None, *, pad: bool = False,
                    pad_value: float = 0) -> Tensor:
     """This cp rank's tokens of x along `dim` (the layout `algo` expects; default: the plan's algo).
 
@@ -203,7 +206,7 @@ def shard_sequence(x: Tensor, layout: Any, dim: int = 1, algo: Optional[str] = N
     return shard(x, dim, ring, uly, r, u)
 
 
-def unshard_sequence(x_local: Tensor, layout: Any, dim: int = 1, algo: Optional[str] = None) -> Tensor:
+def unshard_sequence(x_local: Tensor, layout: ParallelLayout, dim: int = 1, algo: Optional[str] = None) -> Tensor:
     """The full sequence from every cp rank's shard (all_gather over cp, then the inverse permutation).
     Collective: every cp rank must call it. The result carries no autograd history (it is for outputs/metrics)."""
     dim = _dim(x_local, dim)

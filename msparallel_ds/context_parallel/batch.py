@@ -12,21 +12,20 @@ given: a target crossing into the next document is ignored only if its label is 
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-IGNORE_INDEX = -100
+from ..distributed.collectives import sum_over
+from ..labels import IGNORE_INDEX, shift_labels
+
+if TYPE_CHECKING:
+    from ..distributed.layout import ParallelLayout
+
 # flash-attn varlen metadata describes the unsharded rows: consumed here (as doc_ids), never passed on to the model
 _VARLEN_KEYS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-
-
-def shift_labels(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
-    """[b, s] labels -> [b, s] targets: position t holds labels[t+1]; the last position is ignored."""
-    return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
 
 
 def doc_ids_from_position_ids(position_ids: Tensor) -> Tensor:
@@ -56,7 +55,7 @@ def positions_from_doc_ids(doc_ids: Tensor) -> Tensor:
     return idx - torch.where(first, idx, 0).cummax(dim=1).values
 
 
-def shard_batch(batch: Mapping[str, Any], layout, *, algo: Optional[str] = None,
+def shard_batch(batch: Mapping[str, Any], layout: ParallelLayout, *, algo: Optional[str] = None,
                 ignore_index: int = IGNORE_INDEX) -> dict[str, Any]:
     """This cp rank's part of a HF batch: input_ids / inputs_embeds, shift_labels, position_ids (made when absent),
     and doc_ids for packed rows.
@@ -107,7 +106,7 @@ def shard_batch(batch: Mapping[str, Any], layout, *, algo: Optional[str] = None,
     return out
 
 
-def inputs_and_targets(batch: Mapping[str, Any], layout) -> tuple[dict[str, Any], Tensor]:
+def inputs_and_targets(batch: Mapping[str, Any], layout: ParallelLayout) -> tuple[dict[str, Any], Tensor]:
     """A micro-batch -> (model inputs, shifted targets) for this rank: sharded over cp by shard_batch when cp > 1
     (labels shifted before the split), else the batch without labels and the shifted labels; labels default to
     input_ids."""
@@ -123,7 +122,8 @@ def inputs_and_targets(batch: Mapping[str, Any], layout) -> tuple[dict[str, Any]
     return inputs, targets
 
 
-def cp_token_loss(logits: Tensor, shift_labels: Tensor, layout, *, ignore_index: int = IGNORE_INDEX) -> Tensor:
+def cp_token_loss(logits: Tensor, shift_labels: Tensor, layout: ParallelLayout, *,
+                  ignore_index: int = IGNORE_INDEX) -> Tensor:
     """This rank's share of the sequence-mean cross-entropy: sum over its tokens / valid tokens on all cp ranks.
 
     Summed over the cp group it is the full-sequence mean; DeepSpeed sums gradients over dp x cp and divides by
@@ -131,16 +131,10 @@ def cp_token_loss(logits: Tensor, shift_labels: Tensor, layout, *, ignore_index:
     """
     loss_sum = F.cross_entropy(logits.flatten(0, -2).float(), shift_labels.flatten(), ignore_index=ignore_index,
                                reduction="sum")
-    count = (shift_labels != ignore_index).sum().to(torch.float32)
-    if layout.size("cp") > 1:
-        count = count.clone()
-        dist.all_reduce(count, group=layout.group("cp"))
+    count = sum_over(layout, "cp", (shift_labels != ignore_index).sum().to(torch.float32))  # a fresh tensor
     return loss_sum / count.clamp_min(1.0)
 
 
-def cp_mean_loss(local_share: Tensor, layout) -> Tensor:
+def cp_mean_loss(local_share: Tensor, layout: ParallelLayout) -> Tensor:
     """For logging: the full-sequence mean loss on every cp rank (sum of the shares, no gradient)."""
-    total = local_share.detach().clone()
-    if layout.size("cp") > 1:
-        dist.all_reduce(total, group=layout.group("cp"))
-    return total
+    return sum_over(layout, "cp", local_share.detach().clone())

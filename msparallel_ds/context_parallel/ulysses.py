@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 # The all-to-all pair lives with the other autograd collectives (DESIGN: one place); re-exported here.
-from ..tensor_parallel.comm import HeadToSeqAllToAll, SeqToHeadAllToAll, head_to_seq, seq_to_head
+from ..tensor_parallel.mappings import HeadToSeqAllToAll, SeqToHeadAllToAll, head_to_seq, seq_to_head
 from .allgather import attend_blocks, attend_blocks_backward, doc_blocks, gather_doc_ids
 from .kernels import Backend, block_backward, block_forward, select_backend
 from .ring import _acc_dtype

@@ -26,6 +26,11 @@ our data-parallel groups) and `get_slice_parallel_*` (an older alias that would 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .layout import ParallelLayout
+
 __all__ = ["DeepSpeedMPU"]
 
 
@@ -38,7 +43,7 @@ def _rank_size_group(name: str):
 class DeepSpeedMPU:
     """Pass to deepspeed.initialize(mpu=...). Build with ParallelLayout.mpu()."""
 
-    def __init__(self, layout):
+    def __init__(self, layout: ParallelLayout):
         self.layout = layout
 
     (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,

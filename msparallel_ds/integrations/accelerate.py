@@ -53,7 +53,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -62,10 +62,15 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import InitProcessGroupKwargs
 from torch import nn
 
+from ..labels import IGNORE_INDEX
+from ..distributed.collectives import sum_over
+
+if TYPE_CHECKING:
+    from ..distributed.layout import ParallelLayout
+
 __all__ = ["CONFIG_ENV", "MindFormersAccelerator", "resolve_config"]
 
 CONFIG_ENV = "MSPARALLEL_CONFIG"
-IGNORE_INDEX = -100
 # accelerate features that would fight ours over the model, the groups or the DeepSpeed config
 _REFUSED = ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin", "torch_tp_plugin",
             "parallelism_config")
@@ -174,14 +179,12 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, names_before: dict[int,
         group["params"] = params
 
 
-def _install_cp_batch_hooks(model: nn.Module, layout) -> None:
+def _install_cp_batch_hooks(model: nn.Module, layout: ParallelLayout) -> None:
     """Shard every forward's batch over cp and turn the loss into this rank's share of the micro-batch mean
     (gradient) whose value is the micro-batch mean (logging). See the module docstring."""
     if getattr(model, "_msp_cp_hooks", False):
         return
     from ..context_parallel.batch import shard_batch
-
-    group = layout.group("cp")
 
     def shard_inputs(module, args, kwargs):
         if args:
@@ -195,8 +198,7 @@ def _install_cp_batch_hooks(model: nn.Module, layout) -> None:
             targets = out["shift_labels"]
             out["labels"] = targets  # HF computes a loss only when labels are given; shift_labels are not re-shifted
             if out.get("num_items_in_batch") is None:
-                count = (targets != IGNORE_INDEX).sum().to(torch.float32)
-                dist.all_reduce(count, group=group)
+                count = sum_over(layout, "cp", (targets != IGNORE_INDEX).sum().to(torch.float32))
                 out["num_items_in_batch"] = count.clamp_min(1.0)  # loss = local token sum / micro-batch tokens
         return (), out
 
@@ -206,8 +208,7 @@ def _install_cp_batch_hooks(model: nn.Module, layout) -> None:
         loss = output["loss"] if isinstance(output, Mapping) else output[0]
         if loss is None:
             return output
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=group)
+        total = sum_over(layout, "cp", loss.detach().clone())
         loss = loss + (total - loss.detach())  # gradient: the share; value: the micro-batch loss
         if isinstance(output, Mapping):
             output["loss"] = loss
@@ -313,9 +314,8 @@ class MindFormersAccelerator(Accelerator):
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss` (this rank's micro-batch mean, as model(**batch).loss returns it) averaged over the dp replicas:
         the global-batch mean when the replicas hold equally many tokens; detached, float32, on every rank."""
-        out = loss.detach().float().clone()
+        out = sum_over(self.layout, "dp", loss.detach().float().clone())
         if self.layout.size("dp") > 1:
-            dist.all_reduce(out, group=self.layout.group("dp"))
             out /= self.layout.size("dp")
         return out
 
@@ -344,20 +344,26 @@ class MindFormersAccelerator(Accelerator):
         (ZeRO-3 needs stage3_gather_16bit_weights_on_model_save there)."""
         inner = self.unwrap_model(model) if unwrap else model
         inner = getattr(inner, "module", inner)
-        if getattr(inner, "msp_layout", None) is not None and self.layout.size("tp") > 1:
-            from ..weights import gather_full_state_dict
+        from ..strategy import applied_to
 
-            return gather_full_state_dict(inner, self.layout, rank0_only=False)
+        done = applied_to(inner)
+        if done is not None and self.layout.size("tp") > 1:
+            from ..checkpoint.reshard import gather_full_state_dict
+
+            return gather_full_state_dict(inner, self.layout, spec=done.spec, rank0_only=False)
         return super().get_state_dict(model, unwrap)
 
     def save_pretrained(self, model, save_dir: str, **hf_kwargs) -> None:
         """A plain HF checkpoint of the full model (tp shards and ZeRO-3 partitions gathered, the attention
         implementation reset so a plain process loads it); every rank must call, global rank 0 writes."""
-        from ..weights import save_pretrained, zero3_gathered
+        from ..checkpoint.hf import save_pretrained, zero3_gathered
+
+        from ..strategy import applied_to
 
         inner = self.unwrap_model(model)
+        done = applied_to(inner)
         with zero3_gathered(inner, self.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}).get("stage")):
-            save_pretrained(inner, self.layout, save_dir, **hf_kwargs)
+            save_pretrained(inner, self.layout, save_dir, spec=done.spec if done else None, **hf_kwargs)
 
     # ------------------------------------------------------------------------------------------ prepare
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):

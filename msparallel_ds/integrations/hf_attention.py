@@ -14,7 +14,10 @@ position_ids alone cannot place document boundaries that lie on other ranks, hen
 from __future__ import annotations
 
 import weakref
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from ..distributed.layout import ParallelLayout
 
 DEFAULT_NAME = "msparallel_cp"
 
@@ -23,7 +26,7 @@ def _no_mask(*args, **kwargs):
     return None  # causal structure across the cp split is applied inside the attention itself
 
 
-def _check_unpacked(position_ids, layout) -> None:
+def _check_unpacked(position_ids, layout: ParallelLayout) -> None:
     """position_ids restarting at 0 anywhere but the sequence's first token (local token 0 of cp rank 0, in every
     algorithm's layout) mean packed documents; HF would mask them apart, so without doc_ids this is an error, not
     silent cross-document attention (it also catches unsharded position_ids: arange(s_local) on every rank).
@@ -39,7 +42,7 @@ def _check_unpacked(position_ids, layout) -> None:
                          "(model(..., position_ids=shard['position_ids'], doc_ids=shard['doc_ids']))")
 
 
-def make_cp_attention(layout, algo: Optional[str] = None, backend: Optional[str] = None):
+def make_cp_attention(layout: ParallelLayout, algo: Optional[str] = None, backend: Optional[str] = None):
     from ..context_parallel.api import context_parallel_attention
 
     checked = [None]  # weakref to the last position_ids found unpacked: HF passes one tensor to every layer
@@ -68,7 +71,7 @@ def make_cp_attention(layout, algo: Optional[str] = None, backend: Optional[str]
     return cp_attention
 
 
-def register_cp_attention(layout, name: str = DEFAULT_NAME, *, algo: Optional[str] = None,
+def register_cp_attention(layout: ParallelLayout, name: str = DEFAULT_NAME, *, algo: Optional[str] = None,
                           backend: Optional[str] = None) -> str:
     """Register CP attention for `layout` under `name` (re-registering replaces the layout)."""
     from transformers import AttentionInterface
@@ -79,7 +82,7 @@ def register_cp_attention(layout, name: str = DEFAULT_NAME, *, algo: Optional[st
     return name
 
 
-def use_cp_attention(model, layout, name: str = DEFAULT_NAME, **kwargs):
+def use_cp_attention(model, layout: ParallelLayout, name: str = DEFAULT_NAME, **kwargs):
     """Register and switch a HF model (Llama/Qwen2/Mistral family) to context-parallel attention."""
     register_cp_attention(layout, name, **kwargs)
     if hasattr(model, "set_attn_implementation"):

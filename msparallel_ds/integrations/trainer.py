@@ -163,13 +163,15 @@ class MindFormersTrainer(Trainer):
         """What msparallel_ds.checkpoint needs of an engine; the Trainer saves and restores its scheduler itself."""
         from types import SimpleNamespace
 
+        from ..strategy import applied_to
+
         return SimpleNamespace(ds=self.model_wrapped, layout=self.layout, model=self.model, lr_scheduler=None,
-                               global_steps=self.state.global_step)
+                               global_steps=self.state.global_step, spec=applied_to(self.model).spec)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)  # DeepSpeed's own files (same-layout resume)
         if self.is_deepspeed_enabled and self.model_wrapped.zero_optimization_stage() < 3:
-            from ..checkpoint import save_checkpoint
+            from ..checkpoint.zero import save_checkpoint
 
             save_checkpoint(self._checkpoint_view(), output_dir)
 
@@ -177,7 +179,8 @@ class MindFormersTrainer(Trainer):
         """Trainer.train; a checkpoint with msp_universal.pt resumes under any layout (see the module docstring)."""
         import transformers.trainer as hf_trainer
 
-        from ..checkpoint import FILE, load_checkpoint
+        from ..checkpoint.format import FILE
+        from ..checkpoint.zero import load_checkpoint
 
         deepspeed_load = hf_trainer.deepspeed_load_checkpoint
 
@@ -197,7 +200,9 @@ class MindFormersTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """A plain HF checkpoint of the full model (every rank must call; global rank 0 writes)."""
         model = self.model
-        if getattr(model, "msp_layout", None) is None:  # not prepared (parallelized) yet: the Trainer's own save
+        from ..strategy import applied_to
+
+        if applied_to(model) is None:  # not prepared (parallelized) yet: the Trainer's own save
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         self.accelerator.save_pretrained(model, output_dir)

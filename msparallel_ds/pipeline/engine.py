@@ -1,11 +1,13 @@
 """PipelineEngine: msp.initialize's engine when parallel_config.pipeline_stage > 1 (same surface as engine.Engine).
 
 Built on torch.distributed.pipelining, not DeepSpeed's PipelineModule (ZeRO <= 1 only, no mpu, 1F1B only):
-1. tp (+SP, vocab parallel: MindFormers forces vocab_emb_dp false with pp) and cp attention are applied to the WHOLE
-   HF model, then split.split_model keeps this pp rank's stages (HF parameter names kept). SP's sequence split sits
-   on layer 0 (first stage); later stages receive the already split hidden state, so SP needs nothing else. The
-   other ranks' modules are moved to the meta device (the HF shell stays only for save_pretrained's config).
-2. Recompute per stage: recompute_config lists are per stage (and per virtual chunk), applied to each chunk's layers.
+1. Split first: split.split_model cuts this pp rank's stage chunks (HF parameter names kept), then each chunk goes
+   through strategy.parallelize_part, the path a whole model takes under the other engine: tp (+SP, vocab parallel:
+   MindFormers forces vocab_emb_dp false with pp), cp attention, recompute (recompute_config lists are per stage
+   and per virtual chunk) and multi-copy interleave inside each micro-batch. SP's sequence split sits on layer 0
+   (first stage); later stages receive the already split hidden state. The other ranks' modules are moved to the
+   meta device (the HF shell stays only for save_pretrained's config).
+2. The engine holds the chunks' combined record (strategy.Applied: shard spec, recompute map) for checkpoints.
 3. train_batch: the batch (this dp rank's rows: batch_size x mbi x micro_batch_num) is cp-sharded once
    (context_parallel.batch.shard_batch: shifted labels, global position_ids); the schedule splits it into
    micro_batch_num micro-batches. position_ids (and doc_ids) travel as keywords to every stage; only the hidden
@@ -31,7 +33,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..context_parallel.batch import inputs_and_targets
-from ..engine import check_batch, global_token_count, token_loss_sum
+from ..distributed.collectives import all_reduce_flat, clip_grad_norm_, sum_over
+from ..distributed.layout import ParallelLayout
+from ..loss import check_batch, global_token_count, token_loss_sum
+from ..strategy import Applied
 from .schedule import build_schedule
 from .split import split_model
 
@@ -59,7 +64,7 @@ def _optimizer_parts(optimizer, plan):
     return type(probe), {k: v for k, v in probe.defaults.items() if k in accepted}
 
 
-def _build_optimizer(params: list, optimizer, plan, layout) -> torch.optim.Optimizer:
+def _build_optimizer(params: list, optimizer, plan, layout: ParallelLayout) -> torch.optim.Optimizer:
     cls, defaults = _optimizer_parts(optimizer, plan)
     zero = plan.zero.stage if plan.config.parallel.enable_parallel_optimizer else 0
     if zero > 1:
@@ -87,9 +92,10 @@ class PipelineEngine:
 
     is_pipeline = True
 
-    def __init__(self, hf_model, view, stages, schedule, stage_ids, layout, plan, optimizer, lr_scheduler,
-                 device, recompute):
+    def __init__(self, hf_model, view, stages, schedule, stage_ids, layout: ParallelLayout, plan, optimizer,
+                 lr_scheduler, device, applied: Applied):
         self._hf, self.model, self.stages, self.schedule = hf_model, view, stages, schedule
+        self.applied = applied
         self.stage_ids, self.layout, self.plan, self.device = stage_ids, layout, plan, device
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.micro_batch_size = plan.micro_batch_size * plan.micro_batch_interleave_num
@@ -98,9 +104,12 @@ class PipelineEngine:
         self.n_stages = layout.size("pp") * plan.pp_virtual_stages
         self.holds_first, self.holds_last = 0 in stage_ids, self.n_stages - 1 in stage_ids
         self._n_tokens: Optional[Tensor] = None
-        self._head = view.lm_head
-        self.model.msp_recompute = recompute
-        self.model.msp_layout = layout
+        self._head = applied.adapter.output_head(view)
+
+    @property
+    def spec(self):
+        """The shard spec parallelize cut this rank's stages by (name -> tp split), for gathers and checkpoints."""
+        return self.applied.spec
 
     # ------------------------------------------------------------------------------------------ loss
     def _loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
@@ -126,27 +135,10 @@ class PipelineEngine:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.layout.size("dp_cp") > 1:
-            grads = [p.grad for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.layout.group("dp_cp"))
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+        all_reduce_flat([p.grad for p in params], self.layout, "dp_cp")
         clip = self.plan.gradient_clipping
-        if not clip:
-            return
-        tp_rank0 = self.layout.rank("tp") == 0
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for p in params:
-            if getattr(p, "tensor_model_parallel", False) or tp_rank0:
-                sq += p.grad.detach().float().pow(2).sum()
-        dist.all_reduce(sq, group=self.layout.group("pp_tp"))
-        norm = sq.sqrt()
-        coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
-        for p in params:
-            p.grad.mul_(coef.to(p.grad.dtype))
+        if clip:
+            clip_grad_norm_(params, clip, self.layout, device=self.device)
 
     def train_batch(self, batch: Mapping[str, Any]) -> Tensor:
         """One optimizer step on this dp rank's share of the global batch; returns the global-batch mean loss
@@ -162,9 +154,8 @@ class PipelineEngine:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for loss in losses:
             total += loss.detach().float()
-        if self.layout.size("dp_cp") > 1:
-            dist.all_reduce(total, group=self.layout.group("dp_cp"))
-        dist.all_reduce(total, group=self.layout.group("pp"))  # only the last stage's ranks hold a loss
+        sum_over(self.layout, "dp_cp", total)
+        sum_over(self.layout, "pp", total)  # only the last stage's ranks hold a loss
         self._sync_and_clip()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -176,48 +167,49 @@ class PipelineEngine:
     # ------------------------------------------------------------------------------------------ weights
     def full_state_dict(self, *, rank0_only: bool = False) -> Optional[dict]:
         """The HF-keyed full state dict (stages and tp shards gathered), on CPU; every rank must call."""
-        from ..weights import gather_full_state_dict
+        from ..checkpoint.reshard import gather_full_state_dict
 
-        return gather_full_state_dict(self.model, self.layout, rank0_only=rank0_only)
+        return gather_full_state_dict(self.model, self.layout, spec=self.spec, rank0_only=rank0_only)
 
     def save_pretrained(self, save_dir: str, **hf_kwargs) -> None:
         """A normal HF checkpoint of the full model, written by global rank 0; every rank must call."""
-        from ..weights import _clean_saved_config
+        from ..checkpoint.hf import clean_saved_config
 
         full = self.full_state_dict(rank0_only=True)
         if self.layout.global_rank == 0:
             total = sum(t.numel() for t in {id(t): t for t in full.values()}.values())
             self._hf.save_pretrained(save_dir, state_dict=full, is_main_process=True, **hf_kwargs)
-            _clean_saved_config(save_dir, total)
+            clean_saved_config(save_dir, total)
         dist.barrier()
 
     def save(self, save_dir: str) -> None:
         """The layout-independent checkpoint of msparallel_ds.checkpoint (loads under any layout)."""
-        from .checkpoint import save_pipeline_checkpoint
+        from ..checkpoint.pipeline import save_pipeline_checkpoint
 
         save_pipeline_checkpoint(self, save_dir)
 
     def load(self, load_dir: str) -> dict:
-        from .checkpoint import load_pipeline_checkpoint
+        from ..checkpoint.pipeline import load_pipeline_checkpoint
 
         return load_pipeline_checkpoint(self, load_dir)
 
 
-def initialize_pipeline(model: nn.Module, layout, optimizer=None, *, lr_scheduler=None) -> PipelineEngine:
+def initialize_pipeline(model: nn.Module, layout: ParallelLayout, optimizer=None, *,
+                        lr_scheduler=None) -> PipelineEngine:
     """msp.initialize for pipeline_stage > 1 (called by engine.initialize; same arguments)."""
     from ..config.rules import layers_per_stage
+    from ..models import adapter_for
     from ..runtime import training_device
-    from ..recompute import apply_recompute
-    from ..tensor_parallel.apply import tp_parallelize
+    from ..strategy import Options, applied_to, combine, parallelize_part
 
     plan = layout.plan
-    if getattr(model, "msp_layout", None) is not None:
+    if applied_to(model) is not None:
         raise ValueError("parallel_config.pipeline_stage > 1: pass msp.initialize the plain HF model (not one from "
                          "msp.parallelize / msp.from_pretrained); the pipeline engine splits and shards it itself")
     pp, vpp, pp_rank = layout.size("pp"), plan.pp_virtual_stages, layout.rank("pp")
     counts = plan.layers_per_stage
     if counts is None:  # the YAML gives no num_layers: the model's count with the YAML's offsets
-        n = len(model.get_submodule(model.base_model_prefix).layers)
+        n = adapter_for(model).layer_count(model)
         counts = layers_per_stage(n, pp, vpp, plan.config.model.offset)
         if sum(map(sum, counts)) != n or min(map(min, counts)) < 1:
             raise ValueError(f"model.model_config.offset={plan.config.model.offset!r} does not split the model's {n} "
@@ -226,21 +218,10 @@ def initialize_pipeline(model: nn.Module, layout, optimizer=None, *, lr_schedule
     if plan.config.model.compute_dtype not in ("float32", None) and layout.device_type != "cuda":
         warnings.warn(f"model.model_config.compute_dtype={plan.config.model.compute_dtype}: the pipeline engine "
                       "runs the model in its own dtype (float32 on CPU)", stacklevel=3)
-    if layout.size("tp") > 1:
-        tp_parallelize(model, layout, sequence_parallel=plan.sequence_parallel, vocab_parallel=plan.vocab_parallel)
-    if layout.size("cp") > 1:
-        from ..integrations.hf_attention import use_cp_attention
-
-        use_cp_attention(model, layout)
-    modules, view, stage_ids = split_model(model, counts, pp_rank, plan.pp_schedule)
-    if plan.micro_batch_interleave_num > 1 or plan.fine_grain_interleave > 1:  # copies inside each micro-batch
-        for module in modules:
-            module.use_interleave(plan.micro_batch_interleave_num, plan.fine_grain_interleave)
-    done = {}
-    for chunk, module in enumerate(modules):
-        hit = apply_recompute(model, plan.recompute, layers=nn.ModuleList(module.body.layers.values()),
-                              stage=pp_rank, chunk=chunk)
-        done.update({str(module.layer_ids[int(i)]): v for i, v in hit.items()})
+    # split first, then the one parallelize path on every chunk (TP/SP/vocab, cp, recompute, interleave)
+    options, records = Options.from_plan(plan), []
+    modules, view, stage_ids = split_model(model, counts, pp_rank, plan.pp_schedule, prepare=lambda stage, chunk: (
+        records.append(parallelize_part(stage, layout, options, stage=pp_rank, chunk=chunk))))
     _drop_other_modules(model, view)
     device = training_device(layout)
     view.to(device)
@@ -257,6 +238,7 @@ def initialize_pipeline(model: nn.Module, layout, optimizer=None, *, lr_schedule
         sched = _yaml_scheduler(plan, opt)
     else:  # an LR scheduler, or (as DeepSpeed accepts) a callable optimizer -> scheduler
         sched = lr_scheduler if hasattr(lr_scheduler, "step") else lr_scheduler(opt)
-    engine = PipelineEngine(model, view, stages, schedule, stage_ids, layout, plan, opt, sched, device, done)
+    engine = PipelineEngine(model, view, stages, schedule, stage_ids, layout, plan, opt, sched, device,
+                            combine(records))
     engine_box.append(engine)
     return engine

@@ -14,10 +14,13 @@ the engine's loss is already sum(token losses) / N over the global batch.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from ..distributed.layout import ParallelLayout
 
 __all__ = ["SCHEDULES", "build_schedule"]
 
@@ -32,7 +35,7 @@ def _classes() -> dict:
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "zero_bubble_v")
 
 
-def build_schedule(name: str, modules: list[nn.Module], stage_ids: list[int], n_stages: int, layout,
+def build_schedule(name: str, modules: list[nn.Module], stage_ids: list[int], n_stages: int, layout: ParallelLayout,
                    device: torch.device, n_microbatches: int, loss_fn: Callable):
     """PipelineStage per local module and the schedule that runs them; returns (schedule, stages)."""
     from torch.distributed.pipelining import PipelineStage

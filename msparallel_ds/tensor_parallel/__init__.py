@@ -1,9 +1,10 @@
-"""Tensor, sequence and vocab parallel: autograd collectives (comm), parallel Linear layers, vocab-parallel
-embedding / lm_head / cross-entropy. Every piece takes its process group explicitly (layout.group("tp"))."""
+"""Tensor, sequence and vocab parallel: autograd collectives (mappings), parallel Linear layers, vocab-parallel
+embedding / output head / cross-entropy, and the shard spec (spec). Every piece takes its process group explicitly
+(layout.group("tp"))."""
 from .apply import tp_parallelize, tp_plan, vocab_parallel_causal_lm_loss
-from .comm import (copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
-                   reduce_scatter_to_sequence_region, scatter_to_region)
 from .layers import ColumnParallelLinear, RowParallelLinear
+from .mappings import (copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
+                       reduce_scatter_to_sequence_region, scatter_to_region)
 from .vocab import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead",

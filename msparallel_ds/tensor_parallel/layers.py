@@ -17,10 +17,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .comm import (copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
-                   reduce_scatter_to_sequence_region, scatter_to_region)
+from .spec import STYLE_PARAM_SHARDS, Shard
+from .mappings import (copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
+                       reduce_scatter_to_sequence_region, scatter_to_region)
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "divide"]
+__all__ = ["ColumnParallelLinear", "ReplicatedKVLinear", "RowParallelLinear", "divide"]
 
 
 def divide(n: int, tp: int, what: str, hint: str = "") -> int:
@@ -31,21 +32,24 @@ def divide(n: int, tp: int, what: str, hint: str = "") -> int:
     return n // tp
 
 
-def _param(data: Tensor, partition_dim: int | None, requires_grad: bool = True) -> nn.Parameter:
-    p = nn.Parameter(data, requires_grad=requires_grad)
-    if partition_dim is not None:
-        p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, partition_dim, 1
-    return p
-
-
-def _shard(t: Tensor, tp: int, rank: int, dim: int) -> Tensor:
-    # A contiguous copy: no view keeps the full tensor alive, so the caller can free it.
-    return t.detach().chunk(tp, dim)[rank].clone(memory_format=torch.contiguous_format)
+def _cut(t: Tensor, shard: Shard, tp: int, rank: int) -> nn.Parameter:
+    """This rank's part of `t` by the shard spec, as a Parameter: a contiguous copy, so no view keeps the full
+    tensor alive and the caller can free it."""
+    data = shard.local(t.detach(), tp, rank).clone(memory_format=torch.contiguous_format)
+    return shard.parameter(data, t.requires_grad)
 
 
 class _ParallelLinear(nn.Module):
-    _split_dim: int  # 0: weight rows (out features) are split; 1: columns (in features)
+    _style: str  # the TP plan style: STYLE_PARAM_SHARDS[_style] (the shard spec) says how weight and bias are cut
     _divide_hint = ""  # appended to the divisibility error
+
+    @classmethod
+    def _shards(cls) -> dict[str, Shard]:
+        return STYLE_PARAM_SHARDS[cls._style]
+
+    @classmethod
+    def _split_dim(cls) -> int:  # 0: weight rows (out features) are split; 1: columns (in features)
+        return cls._shards()["weight"].dim
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group, *, sequence_parallel: bool,
                  seq_dim: int, device=None, dtype=None):
@@ -53,14 +57,15 @@ class _ParallelLinear(nn.Module):
         self.group, self.tp, self.tp_rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
-        split = (out_features, in_features)[self._split_dim]
-        what = f"{type(self).__name__}: {('out_features', 'in_features')[self._split_dim]}"
+        dim, shards = self._split_dim(), self._shards()
+        split = (out_features, in_features)[dim]
+        what = f"{type(self).__name__}: {('out_features', 'in_features')[dim]}"
         shape = [out_features, in_features]
-        shape[self._split_dim] = divide(split, self.tp, what, self._divide_hint)
+        shape[dim] = divide(split, self.tp, what, self._divide_hint)
         kw = {"device": device, "dtype": dtype}
-        self.weight = _param(torch.empty(shape, **kw), self._split_dim)
+        self.weight = shards["weight"].parameter(torch.empty(shape, **kw))
         # Column: bias split like the output features. Row: full bias, added once after the reduction.
-        self.register_parameter("bias", _param(torch.empty(shape[0], **kw), 0 if self._split_dim == 0 else None)
+        self.register_parameter("bias", shards["bias"].parameter(torch.empty(shape[0], **kw))
                                 if bias else None)  # as nn.Linear: `bias` exists, None when absent
         self.reset_parameters()
 
@@ -76,12 +81,10 @@ class _ParallelLinear(nn.Module):
         """This rank's shard of `linear` (a clean copy: `linear` can be freed). kwargs: the constructor's options."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group, device="meta",
                     dtype=linear.weight.dtype, **kwargs)
-        w = linear.weight
-        layer.weight = _param(_shard(w, layer.tp, layer.tp_rank, cls._split_dim), cls._split_dim, w.requires_grad)
+        shards = cls._shards()
+        layer.weight = _cut(linear.weight, shards["weight"], layer.tp, layer.tp_rank)
         if linear.bias is not None:
-            b = linear.bias
-            data = _shard(b, layer.tp, layer.tp_rank, 0) if cls._split_dim == 0 else b.detach().clone()
-            layer.bias = _param(data, 0 if cls._split_dim == 0 else None, b.requires_grad)
+            layer.bias = _cut(linear.bias, shards["bias"], layer.tp, layer.tp_rank)
         return layer
 
     def extra_repr(self) -> str:
@@ -98,7 +101,7 @@ class ColumnParallelLinear(_ParallelLinear):
     q/k/v or gate/up): no collective here, that gather's reduce-scatter sums the partial input grads. Output: this
     rank's out/tp features, or all of them with gather_output=True.
     """
-    _split_dim = 0
+    _style = "colwise"
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group, *, gather_output: bool = False,
                  sequence_parallel: bool = False, input_is_gathered: bool = False, seq_dim: int = 1, device=None,
@@ -126,7 +129,7 @@ class RowParallelLinear(_ParallelLinear):
     input, of which this rank keeps its slice. The partial products are all-reduced, or with sequence_parallel
     reduce-scattered along seq_dim; the bias is added after that, once.
     """
-    _split_dim = 1
+    _style = "rowwise"
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group, *, input_is_parallel: bool = True,
                  sequence_parallel: bool = False, seq_dim: int = 1, device=None, dtype=None):
@@ -147,3 +150,33 @@ class RowParallelLinear(_ParallelLinear):
         # Each rank adds the bias to its own tokens only, so its bias grad is partial: f (identity forward,
         # all-reduce backward) sums it over the group inside autograd, under any engine and with recompute.
         return y + copy_to_region(self.bias, self.group)
+
+
+class ReplicatedKVLinear(nn.Module):
+    """A key or value projection when tp > kv heads (tp % kv == 0): tp rank r computes kv head r // (tp/kv), the one
+    its query heads use. The full weight (and bias) is kept on every rank under nn.Linear's names; forward narrows it
+    through copy_to_region, so backward sums the replicas' partial grads over tp: every rank ends with the full
+    grad."""
+
+    def __init__(self, linear: nn.Linear, group, n_kv_heads: int, *, input_is_gathered: bool = False):
+        super().__init__()
+        self.group, self.tp, self.tp_rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.input_is_gathered = input_is_gathered  # SP: the block's all-gather sums the input grad
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.head_dim = linear.out_features // n_kv_heads
+        self.kv_head = self.tp_rank // (self.tp // n_kv_heads)
+        self.weight = nn.Parameter(linear.weight.detach().clone(), requires_grad=linear.weight.requires_grad)
+        self.bias = (None if linear.bias is None else
+                     nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.input_is_gathered:
+            x = copy_to_region(x, self.group)  # column-style input: its grad is partial per rank
+        start = self.kv_head * self.head_dim
+        w = copy_to_region(self.weight, self.group).narrow(0, start, self.head_dim)
+        b = None if self.bias is None else copy_to_region(self.bias, self.group).narrow(0, start, self.head_dim)
+        return F.linear(x, w, b)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp}, "
+                f"kv_head={self.kv_head}, head_dim={self.head_dim}")

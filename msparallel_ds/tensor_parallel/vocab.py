@@ -1,4 +1,4 @@
-"""Vocab parallel (MindFormers vocab_emb_dp: false): embedding rows, lm_head rows and the softmax split over tp.
+"""Vocab parallel (MindFormers vocab_emb_dp: false): embedding rows, output-head rows and the softmax split over tp.
 
 Rank r of the tp group owns token ids [r*V/tp, (r+1)*V/tp). Full-vocab logits are never gathered: the loss needs
 only three numbers per token from each rank (max, sum of exp, the target's logit). The vocab size must be
@@ -13,8 +13,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .comm import all_reduce, gather_from_region, reduce_from_region, reduce_scatter_to_sequence_region
-from .layers import ColumnParallelLinear, _param, _shard, divide
+from ..distributed.collectives import all_reduce
+from ..labels import IGNORE_INDEX
+from .layers import ColumnParallelLinear, _cut, divide
+from .mappings import gather_from_region, reduce_from_region, reduce_scatter_to_sequence_region
+from .spec import STYLE_PARAM_SHARDS
 
 __all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy", "ParallelLMHead"]
 
@@ -29,6 +32,8 @@ class VocabParallelEmbedding(nn.Module):
     With sequence_parallel the sum is a reduce-scatter along seq_dim: the output is this rank's sequence slice, as
     the SP residual stream expects.
     """
+
+    _shard = STYLE_PARAM_SHARDS["vocab_embedding"]["weight"]
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group, padding_idx: int | None = None, *,
                  sequence_parallel: bool = False, seq_dim: int = 1, device=None, dtype=None):
@@ -46,7 +51,7 @@ class VocabParallelEmbedding(nn.Module):
         # Only the owner of the padding row keeps its grad at zero (F.embedding's padding_idx is a local row).
         own = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
         self._local_padding_idx = padding_idx - self.vocab_start if own else None
-        self.weight = _param(torch.empty(per, embedding_dim, device=device, dtype=dtype), 0)
+        self.weight = self._shard.parameter(torch.empty(per, embedding_dim, device=device, dtype=dtype))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -64,7 +69,7 @@ class VocabParallelEmbedding(nn.Module):
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, embedding.padding_idx, device="meta",
                     dtype=embedding.weight.dtype, **kwargs)
         w = embedding.weight
-        layer.weight = _param(_shard(w, layer.tp, layer.tp_rank, 0), 0, w.requires_grad)
+        layer.weight = _cut(w, cls._shard, layer.tp, layer.tp_rank)
         return layer
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -114,7 +119,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return out.to(ctx.dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, group, ignore_index: int = -100,
+def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, group, ignore_index: int = IGNORE_INDEX,
                                  reduction: str = "mean") -> Tensor:
     """F.cross_entropy over the full vocab, from this rank's logits shard [..., V/tp] (rank r: ids r*V/tp...) and
     the full target [...] (same on every tp rank). reduction: "mean" over non-ignored tokens (nan if none, like
@@ -133,10 +138,11 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, group, ignore_i
 
 
 class ParallelLMHead(ColumnParallelLinear):
-    """lm_head with its vocab rows split over `group`: logits stay sharded [..., V/tp] for
+    """The output head with its vocab rows split over `group`: logits stay sharded [..., V/tp] for
     vocab_parallel_cross_entropy (gather_output is always False). With sequence_parallel the hidden states arrive
     sequence-sharded and are all-gathered first, so logits and target cover the whole sequence."""
 
+    _style = "vocab_lm_head"
     _divide_hint = _VOCAB_FIX
 
     def __init__(self, in_features: int, vocab_size: int, bias: bool, group, *, sequence_parallel: bool = False,
@@ -144,7 +150,7 @@ class ParallelLMHead(ColumnParallelLinear):
         super().__init__(in_features, vocab_size, bias, group, gather_output=False,
                          sequence_parallel=sequence_parallel, seq_dim=seq_dim, device=device, dtype=dtype)
 
-    def loss(self, hidden: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+    def loss(self, hidden: Tensor, target: Tensor, ignore_index: int = IGNORE_INDEX, reduction: str = "mean") -> Tensor:
         return vocab_parallel_cross_entropy(self(hidden), target, self.group, ignore_index, reduction)
 
     def gather_logits(self, logits_shard: Tensor) -> Tensor:

@@ -1,15 +1,12 @@
 """HF checkpoints in and out of a tensor-parallel model: gather to save, read only this rank's slices to load.
 
-    full  = gather_full_state_dict(model, layout)          # HF-keyed, CPU; None off global rank 0
     save_pretrained(model, layout, "out/")                 # a plain HF checkpoint (AutoModel.from_pretrained loads it)
     model = from_pretrained("out/", layout, parallelize_fn=lambda m, lay: tp_parallelize(m, lay, vocab_parallel=True))
 
 Parameter names are the HF model's (tp layers keep nn.Linear/nn.Embedding names), so checkpoint keys map 1:1.
-A tp-sharded parameter carries Megatron's attributes (tensor_model_parallel, partition_dim); tp rank r of T holds
-`full.chunk(T, partition_dim)[r]`. Everything else is a full replica. Loading builds the model on the meta device,
-parallelizes it, then reads each rank's slice with safetensors' get_slice, so no rank materializes the full model.
-With pp > 1, gather_full_state_dict takes the pipeline engine's stage view (engine.model) and also gathers
-over the pp group.
+Which tensor is split over tp, and along which dim, is the shard spec's (tensor_parallel.spec; by default read back
+from the parallelized model's parameters). Loading builds the model on the meta device, parallelizes it, then reads
+each rank's slice with safetensors' get_slice (Shard.index), so no rank materializes the full model.
 """
 from __future__ import annotations
 
@@ -17,29 +14,24 @@ import json
 import os
 import re
 from contextlib import ExitStack, nullcontext
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .tensor_parallel.comm import all_gather_along
+from ..tensor_parallel.spec import Shard, ShardSpec
+from .reshard import gather_full_state_dict
 
-__all__ = ["from_pretrained", "gather_full_state_dict", "gather_tp_shard", "load_sharded_checkpoint", "save_pretrained",
+if TYPE_CHECKING:
+    from ..distributed.layout import ParallelLayout
+
+__all__ = ["build_on_meta", "clean_saved_config", "from_pretrained", "load_sharded_checkpoint", "save_pretrained",
            "zero3_gathered"]
 
 _SAFE_FILE, _SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 _BIN_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 _ATTN_KEYS = ("attn_implementation", "_attn_implementation", "_attn_implementation_internal")
-
-
-def _sharded(p: Tensor) -> bool:
-    return bool(getattr(p, "tensor_model_parallel", False))
-
-
-def gather_tp_shard(t: Tensor, p: Tensor, layout) -> Tensor:
-    """The full tensor of which `t` is this rank's tp shard, laid out like parameter `p` (all-gathered over tp
-    along p.partition_dim); `t` itself when p is not tp-sharded. A collective over the tp group."""
-    return all_gather_along(t, layout.group("tp"), p.partition_dim) if _sharded(p) else t
 
 
 def zero3_gathered(model: nn.Module, zero_stage: int):
@@ -51,33 +43,8 @@ def zero3_gathered(model: nn.Module, zero_stage: int):
     return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
 
 
-# ---------------------------------------------------------------------------------------------- gather / save
-def gather_full_state_dict(model: nn.Module, layout, *, rank0_only: bool = True) -> dict[str, Tensor] | None:
-    """model.state_dict() with every tp-sharded tensor all-gathered along its partition_dim: detached, contiguous,
-    on CPU. Tied keys share one tensor, as in the unsharded state dict (HF drops the alias when saving).
-    rank0_only: other ranks return None; only the tp group holding global rank 0 gathers."""
-    if layout.size("pp") > 1:  # `model` is this rank's pipeline stages (pipeline.split keeps HF names)
-        from .pipeline.checkpoint import gather_pipeline_state_dict
-
-        return gather_pipeline_state_dict(model, layout, rank0_only=rank0_only)
-    keep = not rank0_only or layout.global_rank == 0
-    if not keep and 0 not in layout.ranks("tp"):
-        return None  # no rank of this tp group keeps anything: skip the collectives
-    return _gather_tp(model, layout, keep)
-
-
-def _gather_tp(model: nn.Module, layout, keep: bool) -> dict[str, Tensor] | None:
-    """state_dict with tp shards gathered (a collective over tp); None where not `keep`."""
-    full, done = {}, {}
-    for key, value in model.state_dict(keep_vars=True).items():  # keep_vars: the Parameters, with their attributes
-        if id(value) not in done:  # a tied tensor is gathered once (every rank walks the same order)
-            t = gather_tp_shard(value.detach(), value, layout)
-            done[id(value)] = t.to("cpu").contiguous() if keep else None
-        full[key] = done[id(value)]
-    return full if keep else None
-
-
-def _clean_saved_config(save_dir: str, total_parameters: int) -> None:
+# ---------------------------------------------------------------------------------------------- save
+def clean_saved_config(save_dir: str, total_parameters: int) -> None:
     """The saved config is the architecture's own: a plain process cannot load a custom attention name (e.g. our
     context-parallel "msparallel_cp"). HF's index counts this rank's shards as total_parameters: fix it."""
     path = os.path.join(save_dir, "config.json")
@@ -96,15 +63,16 @@ def _clean_saved_config(save_dir: str, total_parameters: int) -> None:
             f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def save_pretrained(model: nn.Module, layout, save_dir: str | os.PathLike, **hf_kwargs) -> None:
+def save_pretrained(model: nn.Module, layout: ParallelLayout, save_dir: str | os.PathLike, *,
+                    spec: Optional[ShardSpec] = None, **hf_kwargs) -> None:
     """Write a plain HF checkpoint (safetensors, config, generation config) of a tp-parallel model; call on every
     rank. Global rank 0 writes with HF's own model.save_pretrained; every rank returns once the files exist."""
-    full = gather_full_state_dict(model, layout)
+    full = gather_full_state_dict(model, layout, spec=spec)
     if layout.global_rank == 0:
         save_dir = os.fspath(save_dir)
         total = sum(t.numel() for t in {id(t): t for t in full.values()}.values())  # HF empties `full` as it writes
         model.save_pretrained(save_dir, state_dict=full, is_main_process=True, **hf_kwargs)
-        _clean_saved_config(save_dir, total)
+        clean_saved_config(save_dir, total)
     dist.barrier()
 
 
@@ -126,30 +94,26 @@ def _weight_files(checkpoint_dir: str) -> dict[str, str]:
     raise FileNotFoundError(f"no {_SAFE_FILE} or {_SAFE_INDEX} in {checkpoint_dir}")
 
 
-def _default_device(layout) -> torch.device:
+def _default_device(layout: ParallelLayout) -> torch.device:
     if layout.device_type == "cpu":
         return torch.device("cpu")
     return torch.device(layout.device_type, int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def _read(handle, key: str, p: Tensor, tp: int, tp_rank: int) -> Tensor:
-    """This rank's part of checkpoint tensor `key` for parameter/buffer `p` (its local shape), shape-checked."""
+def _read(handle, key: str, local_shape, shard: Shard, tp: int, tp_rank: int) -> Tensor:
+    """This rank's part of checkpoint tensor `key` for a parameter/buffer of `local_shape`, shape-checked."""
     sl = handle.get_slice(key)
-    shape = tuple(sl.get_shape())
-    local = tuple(p.shape)
-    if not _sharded(p):
+    shape, local = tuple(sl.get_shape()), tuple(local_shape)
+    full = shard.full_shape(local, tp)
+    if not shard.is_split:
         if shape != local:
             raise ValueError(f"checkpoint tensor {key!r} has shape {shape} but the model expects {local} "
                              f"(replicated on every tp rank)")
         return handle.get_tensor(key)
-    dim = p.partition_dim
-    full = local[:dim] + (local[dim] * tp,) + local[dim + 1:]
     if shape != full:
-        raise ValueError(f"checkpoint tensor {key!r} has shape {shape} but this tp rank's shard {local} (dim {dim} "
-                         f"split over tp={tp}) needs a full shape of {full}")
-    index = [slice(None)] * len(shape)
-    index[dim] = slice(tp_rank * local[dim], (tp_rank + 1) * local[dim])
-    return sl[tuple(index)]
+        raise ValueError(f"checkpoint tensor {key!r} has shape {shape} but this tp rank's shard {local} (dim "
+                         f"{shard.dim} split over tp={tp}) needs a full shape of {full}")
+    return sl[shard.index(local, tp, tp_rank)]
 
 
 def _new_param(old: nn.Parameter, data: Tensor) -> nn.Parameter:
@@ -187,15 +151,16 @@ def _named_tensors(model: nn.Module) -> tuple[dict[int, list[str]], dict[int, Te
     return names, tensors, transient
 
 
-def _tie_output_embedding(model: nn.Module, missing: list[str]) -> list[str]:
-    """A checkpoint of a tied model has no lm_head.weight: point the output embedding at the input's Parameter."""
+def _tie_output_embedding(model: nn.Module, spec: ShardSpec, missing: list[str]) -> list[str]:
+    """A checkpoint of a tied model has no output embedding weight: point the output embedding at the input's
+    Parameter."""
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     config = getattr(model, "config", None)
     if out is None or inp is None or not getattr(config, "tie_word_embeddings", False):
         return missing
-    out_name = next((n for n, m in model.named_modules() if m is out), None)
-    key = f"{out_name}.weight"
-    if key in missing and inp.weight.shape == out.weight.shape and _sharded(inp.weight) == _sharded(out.weight):
+    module_names = {id(m): n for n, m in model.named_modules()}
+    key, in_key = f"{module_names.get(id(out))}.weight", f"{module_names.get(id(inp))}.weight"
+    if key in missing and inp.weight.shape == out.weight.shape and spec.get(key).dim == spec.get(in_key).dim:
         out.weight = inp.weight
         return [k for k in missing if k != key]
     return missing
@@ -215,16 +180,19 @@ def _rebuild_rotary(model: nn.Module, device: torch.device) -> None:
                     module._buffers[n] = fresh._buffers[n].to(device)
 
 
-def load_sharded_checkpoint(model: nn.Module, checkpoint_dir: str | os.PathLike, layout, *, strict: bool = True,
-                            dtype: torch.dtype | None = None, device=None) -> nn.Module:
-    """Fill a (tp-parallelized) model, on meta or real, from a HF safetensors checkpoint directory: each tp-sharded
-    tensor reads only this rank's slice along its partition_dim. dtype: cast floating tensors (default: keep the
-    checkpoint's). device: default cpu, or <device_type>:LOCAL_RANK for an accelerator layout. strict: every
-    parameter/persistent buffer must be in the checkpoint and every checkpoint key in the model. Returns model."""
+def load_sharded_checkpoint(model: nn.Module, checkpoint_dir: str | os.PathLike, layout: ParallelLayout, *,
+                            spec: Optional[ShardSpec] = None, strict: bool = True, dtype: torch.dtype | None = None,
+                            device=None) -> nn.Module:
+    """Fill a (tp-parallelized) model, on meta or real, from a HF safetensors checkpoint directory: each split
+    tensor reads only this rank's slice (spec: default read back from the model's parameters). dtype: cast floating
+    tensors (default: keep the checkpoint's). device: default cpu, or <device_type>:LOCAL_RANK for an accelerator
+    layout. strict: every parameter/persistent buffer must be in the checkpoint and every checkpoint key in the
+    model. Returns model."""
     from safetensors import safe_open
 
     checkpoint_dir = os.fspath(checkpoint_dir)
     device = _default_device(layout) if device is None else torch.device(device)
+    spec = ShardSpec.of_module(model) if spec is None else spec  # before the loaded Parameters replace the meta ones
     tp, tp_rank = layout.size("tp"), layout.rank("tp")
     files = _weight_files(checkpoint_dir)
     names, tensors, transient = _named_tensors(model)
@@ -237,14 +205,14 @@ def load_sharded_checkpoint(model: nn.Module, checkpoint_dir: str | os.PathLike,
                 missing.extend(tensor_names)
                 continue
             old = tensors[ident]
-            data = _read(handles[files[key]], key, old, tp, tp_rank)
+            data = _read(handles[files[key]], key, old.shape, spec.get(key), tp, tp_rank)
             # safetensors' tensors are views of the mmapped file (storage = the whole tensor): copy out the shard
             data = data.to(device=device, dtype=dtype if dtype is not None and data.is_floating_point() else None,
                            memory_format=torch.contiguous_format, copy=True)
             new = _new_param(old, data) if isinstance(old, nn.Parameter) else data
             for n in tensor_names:  # every tied name gets the same new tensor
                 _set_tensor(model, n, new)
-    missing = _tie_output_embedding(model, missing)
+    missing = _tie_output_embedding(model, spec, missing)
     ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     known = {n for group in names.values() for n in group} | transient
     unexpected = [k for k in files if k not in known and not any(p.search(k) for p in ignore)]
@@ -269,7 +237,8 @@ def build_on_meta(config, model_cls=None) -> nn.Module:
         return model_cls.from_config(config) if hasattr(model_cls, "from_config") else model_cls._from_config(config)
 
 
-def from_pretrained(checkpoint_dir: str | os.PathLike, layout, *, parallelize_fn, dtype: torch.dtype | None = None,
+def from_pretrained(checkpoint_dir: str | os.PathLike, layout: ParallelLayout, *, parallelize_fn,
+                    dtype: torch.dtype | None = None,
                     device=None, model_cls=None, strict: bool = True, **config_overrides) -> nn.Module:
     """Build the model of a HF checkpoint directory on the meta device, parallelize it with
     parallelize_fn(model, layout) (None: keep it unsharded), then load this rank's shards; eval mode, like HF.

@@ -1,0 +1,44 @@
+"""Checkpoints of parallel runs, all cut by the one shard spec (msparallel_ds.tensor_parallel.spec):
+
+- format:      the layout-independent training checkpoint file (engine.save / engine.load), atomic writes, reads
+- optim_state: the Adam moments it carries
+- reshard:     gather tp shards (and pp stages) into full tensors, cut full tensors for a tp rank
+- zero:        save / load for engine.Engine (DeepSpeed ZeRO 0-2)
+- pipeline:    save / load for the pipeline engine
+- hf:          plain HF safetensors checkpoints out of / into a tp-parallel model (save_pretrained, from_pretrained)
+- convert:     convert-checkpoint, pre-slicing a checkpoint for another layout in one process
+
+Modules depend one way (format, optim_state <- reshard <- zero, pipeline, hf; format <- convert). Names are
+re-exported lazily so `import msparallel_ds.checkpoint` stays light (no torch.distributed, DeepSpeed or HF).
+"""
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "FILE": "format", "FORMAT": "format", "SHARDED_FORMAT": "format", "SHARDED_INDEX": "format",
+    "atomic_save": "format", "check_names": "format", "read_checkpoint_file": "format", "read_for_layout": "format",
+    "shard_file": "format",
+    "fit": "reshard", "gather_full_state_dict": "reshard", "gather_pipeline_state_dict": "reshard",
+    "gather_state_dict": "reshard", "merge_over_pp": "reshard",
+    "load_checkpoint": "zero", "save_checkpoint": "zero",
+    "load_pipeline_checkpoint": "pipeline", "save_pipeline_checkpoint": "pipeline",
+    "build_on_meta": "hf", "clean_saved_config": "hf", "from_pretrained": "hf", "load_sharded_checkpoint": "hf",
+    "save_pretrained": "hf", "zero3_gathered": "hf",
+    "convert_checkpoint": "convert",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

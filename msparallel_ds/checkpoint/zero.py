@@ -1,0 +1,115 @@
+"""engine.save / engine.load for engine.Engine (DeepSpeed ZeRO 0-2) in checkpoint.format's layout-independent file.
+
+ZeRO partitions are gathered over dp x cp with DeepSpeed's own accessors (deepspeed.utils.safe_get_full_fp32_param /
+safe_get_full_optimizer_state) and tp parts over tp by engine.spec; loading cuts this rank's part with the same spec
+and hands it to DeepSpeed's setters, which re-partition it for the new ZeRO group. `engine` is anything with ds,
+layout, model, spec, lr_scheduler and global_steps (the HF Trainer passes such a view).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .format import FILE, FORMAT, atomic_save, check_names, read_for_layout
+from .optim_state import ensure_adam_state, optimizer_keys
+from .reshard import fit, gather
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+
+def _inner_optimizer(engine):
+    """The torch optimizer: over module parameters at ZeRO-0, over DeepSpeed's flat fp32 partitions at 1/2."""
+    opt = engine.ds.optimizer
+    return getattr(opt, "optimizer", opt) if engine.ds.zero_optimization_stage() > 0 else opt
+
+
+def _check_stage(engine) -> int:
+    stage = engine.ds.zero_optimization_stage()
+    if stage > 2:
+        raise ValueError("engine.save/load: ZeRO-3 (optimizer_level: level3) checkpoints are not supported yet; "
+                         "use level1/level2, or engine.save_pretrained for the weights")
+    return stage
+
+
+def _link_optimizer_state(engine) -> None:
+    """Point each parameter's ZeRO fragment at its slice of the flat Adam state. DeepSpeed (0.19.8) links them once,
+    right after the FIRST param group's step, so with several groups (the Trainer's decay / no-decay split) the later
+    groups stay linked to nothing; link again now that all the state exists."""
+    ds_opt = engine.ds.optimizer
+    if hasattr(ds_opt, "_hp_optimizer_states_linked"):
+        ds_opt._hp_optimizer_states_linked = False
+        ds_opt._lazy_init_hp_params_optimizer_state()
+
+
+def save_checkpoint(engine, save_dir: str) -> None:
+    """Every rank calls; global rank 0 writes save_dir/FILE."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    stage, layout, spec = _check_stage(engine), engine.layout, engine.spec
+    opt = _inner_optimizer(engine)
+    keys = optimizer_keys(opt)
+    rank0 = layout.global_rank == 0
+    if stage > 0 and opt.state:
+        _link_optimizer_state(engine)
+    params: dict[str, dict[str, Tensor]] = {}
+    for name, p in engine.model.named_parameters():
+        if stage == 0:
+            state = opt.state.get(p, {})
+            rec = {"fp32": p.detach().float(), **{k: state[k] for k in keys if k in state}}
+        else:
+            rec = {"fp32": safe_get_full_fp32_param(p)}
+            for k in keys if opt.state else ():  # no Adam state before the first step
+                value = safe_get_full_optimizer_state(p, k)
+                if value is not None:
+                    rec[k] = value
+        rec = {k: gather(v, spec.get(name), layout) for k, v in rec.items()}
+        if rank0:
+            params[name] = {k: v.detach().to("cpu", copy=True) for k, v in rec.items()}
+    if rank0:
+        steps = [s["step"] for s in opt.state.values() if "step" in s]
+        sched = engine.lr_scheduler
+        config = getattr(engine.model, "config", None)
+        atomic_save({"format": FORMAT, "params": params, "optimizer_step": float(max(steps)) if steps else 0.0,
+                     "global_steps": engine.global_steps,
+                     "lr_scheduler": sched.state_dict() if sched is not None else None,
+                     "model_config": config.to_dict() if hasattr(config, "to_dict") else None},
+                    os.path.join(save_dir, FILE))
+    dist.barrier()
+
+
+def load_checkpoint(engine, load_dir: str) -> dict[str, Any]:
+    """Resume from engine.save's file (any layout) or a convert-checkpoint folder for this layout; every rank
+    calls. Returns the saved global_steps and optimizer_step."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    layout = engine.layout
+    ck, sliced = read_for_layout(load_dir, layout)  # first: a bad folder is an error before the engine is touched
+    stage, spec = _check_stage(engine), engine.spec
+    opt = _inner_optimizer(engine)
+    keys = optimizer_keys(opt)
+    check_names((n for n, _ in engine.model.named_parameters()), ck["params"], load_dir)
+    ensure_adam_state(opt, keys, ck["optimizer_step"])
+    if stage > 0:  # DeepSpeed would link each parameter to its slice of the flat Adam state at the first step; now
+        _link_optimizer_state(engine)
+    with torch.no_grad():
+        for name, p in engine.model.named_parameters():
+            rec = {k: fit(v, spec.get(name), layout, sliced, p.shape) for k, v in ck["params"][name].items()}
+            p.copy_(rec["fp32"].to(p.dtype))  # the module weight (ZeRO 1/2 keep it whole on every dp rank)
+            if stage == 0:
+                for k in keys:
+                    if k in rec:
+                        opt.state[p][k].copy_(rec[k])
+            else:
+                safe_set_full_fp32_param(p, rec["fp32"].to(p.device))
+                for k in keys:
+                    if k in rec:
+                        safe_set_full_optimizer_state(p, rec[k].to(p.device), k)
+    if ck["lr_scheduler"] is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(ck["lr_scheduler"])
+    engine.global_steps = ck["global_steps"]
+    dist.barrier()
+    return {"global_steps": ck["global_steps"], "optimizer_step": ck["optimizer_step"]}

@@ -1,0 +1,158 @@
+"""Plain (non-autograd) collectives: the one place where msparallel_ds issues a collective by hand.
+
+Group-level (tp/sp/cp layers, weights): all_reduce, all_gather_along, reduce_scatter_along, split_along take the
+process group explicitly and return the input untouched on a size-1 group. Slices are in group-rank order: rank r
+owns elements [r*n/N, (r+1)*n/N) of `dim`. Gathers and reduce-scatters move `dim` to the front so each rank's
+piece is one contiguous block (the tensor-form collectives need that), so they work for any dim on any backend and
+device. Sums run in the tensor's dtype. They report to distributed.instruments.
+
+Layout-level (engines: losses, token counts, gradients): sum_over / max_over a named layout dim, all_reduce_flat
+and clip_grad_norm_. In place, skipped on a size-1 dim, and not instrumented (they run outside the interleaved
+forward/backward that the instruments measure).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .instruments import bus_bytes, sync_done, sync_start
+
+if TYPE_CHECKING:
+    from .layout import ParallelLayout
+
+__all__ = ["all_reduce", "all_gather_along", "reduce_scatter_along", "split_along", "sum_over", "max_over",
+           "all_reduce_flat", "clip_grad_norm_"]
+
+
+# ---------------------------------------------------------------------------------------------- group-level
+def _size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _chunk(x: Tensor, group, dim: int) -> int:
+    """Length of one rank's slice of `dim`; a clear error (on every rank, before any collective) if it is not even."""
+    n, length = _size(group), x.shape[dim]
+    if length % n:
+        raise ValueError(f"dim {dim} of a tensor of shape {tuple(x.shape)} has size {length}, which is not divisible "
+                         f"by the group size {n}: every rank must hold an equal slice (pad the sequence/features)")
+    return length // n
+
+
+def _unsupported(e: Exception) -> bool:  # old gloo lacks the tensor-form collectives ("... does not support ...")
+    return "support" in str(e)
+
+
+def all_reduce(x: Tensor, group, op=dist.ReduceOp.SUM) -> Tensor:
+    """Out of place: autograd may share `x` (a grad fanned out to several branches, a saved activation)."""
+    if _size(group) == 1:
+        return x
+    t0 = sync_start()
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=op, group=group)
+    sync_done(t0, "all_reduce", bus_bytes("all_reduce", out, _size(group)))
+    return out
+
+
+def all_gather_along(x: Tensor, group, dim: int) -> Tensor:
+    """Every rank's x concatenated along dim, in group-rank order (contiguous result)."""
+    n = _size(group)
+    if n == 1:
+        return x
+    dim %= x.dim()
+    t0 = sync_start()
+    x = x.contiguous()
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # concat form along dim 0: every backend accepts it
+    try:
+        # torch 2.13 renamed all_gather_into_tensor; look up per call so wrappers (byte counters) see it
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+    except (RuntimeError, NotImplementedError) as e:
+        if not _unsupported(e):
+            raise
+        dist.all_gather(list(out.chunk(n)), x, group=group)
+    sync_done(t0, "all_gather", bus_bytes("all_gather", out, n))
+    # rank-major blocks -> rank slices along dim: a view when dim == 0, else one copy
+    return out.unflatten(0, (n, x.shape[0])).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def reduce_scatter_along(x: Tensor, group, dim: int) -> Tensor:
+    """Sum of every rank's x, of which this rank keeps its slice along dim."""
+    n = _size(group)
+    if n == 1:
+        return x
+    dim %= x.dim()
+    piece = _chunk(x, group, dim)
+    t0 = sync_start()
+    send = x.unflatten(dim, (n, piece)).movedim(dim, 0).contiguous()  # destination rank first (concat form)
+    out = x.new_empty(send.shape[1:])
+    try:
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, send.flatten(0, 1),
+                                                                                      group=group)
+    except (RuntimeError, NotImplementedError) as e:
+        if not _unsupported(e):
+            raise
+        out = all_reduce(send, group)[dist.get_rank(group)]  # send may be a view of x: out of place
+    sync_done(t0, "reduce_scatter", bus_bytes("reduce_scatter", send, n))
+    return out
+
+
+def split_along(x: Tensor, group, dim: int) -> Tensor:
+    """This rank's slice of dim (contiguous, so the caller may free x)."""
+    if _size(group) == 1:
+        return x
+    piece = _chunk(x, group, dim)
+    return x.narrow(dim, dist.get_rank(group) * piece, piece).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- layout-level
+def sum_over(layout: ParallelLayout, name: str, t: Tensor) -> Tensor:
+    """t summed in place over layout dim `name` (e.g. "dp", "cp", "dp_cp"); returns t."""
+    if layout.size(name) > 1:
+        dist.all_reduce(t, group=layout.group(name))
+    return t
+
+
+def max_over(layout: ParallelLayout, name: str, t: Tensor) -> Tensor:
+    """t maxed in place over layout dim `name`; returns t."""
+    if layout.size(name) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=layout.group(name))
+    return t
+
+
+def all_reduce_flat(tensors: Sequence[Tensor], layout: ParallelLayout, name: str) -> None:
+    """Sum every tensor in place over layout dim `name` with ONE all-reduce of their concatenation (one latency
+    for many small gradients)."""
+    if layout.size(name) <= 1:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=layout.group(name))
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, layout: ParallelLayout,
+                    device: Optional[torch.device] = None) -> Tensor:
+    """Scale the grads in place so their global L2 norm is at most max_norm; returns the norm before clipping.
+
+    Global over the model's shards: tp-sharded parameters (attribute tensor_model_parallel) count on every tp rank,
+    replicated ones on tp rank 0 only, and the squares are summed over "pp_tp" (the stages and tp shards of one
+    replica; grads must already be summed over dp_cp). Every param must have a grad. `device`: where the norm is
+    computed (default: the first grad's)."""
+    params = list(params)
+    if device is None:
+        device = params[0].grad.device if params else torch.device("cpu")
+    tp_rank0 = layout.rank("tp") == 0
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        if getattr(p, "tensor_model_parallel", False) or tp_rank0:
+            sq += p.grad.detach().float().pow(2).sum()
+    sum_over(layout, "pp_tp", sq)
+    norm = sq.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.dtype))
+    return norm

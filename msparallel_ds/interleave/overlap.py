@@ -1,0 +1,206 @@
+"""Async collectives for the multi-copy / fine-grain interleave: one collective in flight between issue and wait.
+
+`AsyncCollective(kind, group, dim)` is one collective of one copy, in flight between `issue(x, link)` and
+`wait(token, link)` (or `wait_linears`, which also runs the colwise GEMMs that consume the result). Forward: issue
+starts the collective (async_op=True) and returns a 0-size token that only links the two autograd nodes; wait
+finishes it and returns the result. Backward swaps the roles: wait's backward starts the transposed collective on
+the grad, issue's backward waits for it, so eager autograd's reverse-creation order keeps another copy's backward
+between the two. wait_linears' backward starts the input-grad collective right after the dgrad GEMM and runs the
+wgrad GEMMs while it is in flight (Megatron's async grad all-reduce / reduce-scatter).
+
+| kind           | forward              | backward (transpose) |
+|----------------|----------------------|----------------------|
+| all_gather     | all-gather along dim | reduce-scatter       |
+| reduce_scatter | reduce-scatter       | all-gather           |
+| all_reduce     | all-reduce           | identity             |
+| identity       | identity             | all-reduce           |
+
+Layouts and slices are those of the blocking collectives (msparallel_ds.distributed.collectives); the events and
+timings go to msparallel_ds.distributed.instruments (mark_compute logs the compute between issue and wait).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..distributed import instruments
+from ..distributed.collectives import _chunk, _size, _unsupported
+from ..distributed.instruments import bus_bytes, record
+
+__all__ = ["AsyncCollective", "issue", "wait", "wait_linears", "mark_compute"]
+
+_TRANSPOSE = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_reduce": "identity",
+              "identity": "all_reduce"}
+
+
+def _start(kind: str, x: Tensor, group, dim: int) -> tuple[Optional[object], Callable[[], Tensor], float]:
+    """Start collective `kind` on x without blocking: (work or None, finish() -> result, bus bytes)."""
+    n = _size(group)
+    if kind == "identity" or n == 1:
+        return None, (lambda: x), 0.0
+    if kind == "all_reduce":
+        out = x.clone(memory_format=torch.contiguous_format)
+        return dist.all_reduce(out, group=group, async_op=True), (lambda: out), bus_bytes(kind, out, n)
+    dim %= x.dim()
+    if kind == "all_gather":
+        x = x.contiguous()
+        out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+        try:
+            work = (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
+                out, x, group=group, async_op=True)
+        except (RuntimeError, NotImplementedError) as e:
+            if not _unsupported(e):
+                raise
+            work = dist.all_gather(list(out.chunk(n)), x, group=group, async_op=True)
+        b = x.shape[0]
+        return work, (lambda: out.unflatten(0, (n, b)).movedim(0, dim).flatten(dim, dim + 1)), \
+            bus_bytes(kind, out, n)
+    if kind == "reduce_scatter":
+        piece = _chunk(x, group, dim)
+        send = x.unflatten(dim, (n, piece)).movedim(dim, 0).contiguous()
+        out = x.new_empty(send.shape[1:])
+        try:
+            work = (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+                out, send.flatten(0, 1), group=group, async_op=True)
+            return work, (lambda: out), bus_bytes(kind, send, n)  # already x's layout, dim shrunk
+        except (RuntimeError, NotImplementedError) as e:
+            if not _unsupported(e):
+                raise
+        work = dist.all_reduce(send, group=group, async_op=True)
+        rank = dist.get_rank(group)
+        return work, (lambda: send[rank]), bus_bytes(kind, send, n)
+    raise ValueError(f"unknown collective kind {kind!r}; one of {', '.join(_TRANSPOSE)}")
+
+
+class AsyncCollective:
+    """One copy's collective `kind` over `group` along `dim`, in flight between issue() and wait(); the backward
+    runs the transposed kind in flight between wait's backward and issue's backward. One object per use."""
+
+    def __init__(self, kind: str, group, dim: int = 1, *, name: str = "", copy: Optional[int] = None):
+        if kind not in _TRANSPOSE:
+            raise ValueError(f"unknown collective kind {kind!r}; one of {', '.join(_TRANSPOSE)}")
+        self.kind, self.group, self.dim, self.name = kind, group, dim, name or kind
+        self.copy = instruments.active_copy() if copy is None else copy
+        self._pending: Optional[tuple] = None
+
+    def start(self, x: Tensor, phase: str) -> None:
+        kind = self.kind if phase == "fwd" else _TRANSPOSE[self.kind]
+        t0 = instruments.issue_clock()
+        work, finish, nbytes = _start(kind, x, self.group, self.dim)
+        self._pending = (work, finish, nbytes, t0, kind)
+        if work is not None:
+            instruments.async_started(f"{self.name}:{kind}", phase, self.copy)
+
+    def finish(self, phase: str) -> Tensor:
+        work, finish, nbytes, t0, kind = self._pending
+        self._pending = None
+        if work is not None:
+            blocked_from = instruments.wait_clock()
+            work.wait()
+            instruments.async_finished(t0, blocked_from, nbytes, f"{self.name}:{kind}", phase, self.copy)
+        return finish()
+
+
+class _Issue(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, link: AsyncCollective) -> Tensor:
+        ctx.link = link
+        link.start(x, "fwd")
+        return x.new_empty(0)  # the token: links this node to the wait; the data travels in `link`
+
+    @staticmethod
+    def backward(ctx, _token_grad):
+        return ctx.link.finish("bwd"), None
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token: Tensor, link: AsyncCollective) -> Tensor:
+        ctx.link = link
+        return link.finish("fwd")
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ctx.link.start(grad, "bwd")
+        return grad.new_empty(0), None
+
+
+class _WaitLinears(torch.autograd.Function):
+    """wait + the GEMMs that consume the result: y_i = x W_i^T + b_i. Backward: dgrad, start the input-grad
+    collective, then the wgrad GEMMs while it is in flight."""
+
+    @staticmethod
+    def forward(ctx, token: Tensor, link: AsyncCollective, n: int, *wb):
+        x = link.finish("fwd")
+        record("compute", f"{link.name}:gemm", "fwd", link.copy)
+        ws, bs = wb[:n], wb[n:]
+        outs = tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
+        ctx.link, ctx.n, ctx.has_bias = link, n, tuple(b is not None for b in bs)
+        ctx.save_for_backward(x, *ws)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *ws = ctx.saved_tensors
+        link = ctx.link
+        record("compute", f"{link.name}:dgrad", "bwd", link.copy)
+        dx = None
+        for g, w in zip(grads, ws):
+            if g is not None:
+                d = g.matmul(w)
+                dx = d if dx is None else dx.add_(d)
+        link.start(dx, "bwd")  # the input-grad collective runs while the weight grads are computed
+        record("compute", f"{link.name}:wgrad", "bwd", link.copy)
+        x2 = x.reshape(-1, x.shape[-1])
+        dws, dbs = [], []
+        for g, w, has_b in zip(grads, ws, ctx.has_bias):
+            g2 = None if g is None else g.reshape(-1, g.shape[-1])
+            dws.append(None if g2 is None else g2.t().matmul(x2))
+            dbs.append(None if g2 is None or not has_b else g2.sum(0))
+        return (dx.new_empty(0), None, None, *dws, *dbs)
+
+
+class _Mark(torch.autograd.Function):
+    """Identity that logs a compute event in forward and in backward (for the order tests)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, name: str, copy: Optional[int]) -> Tensor:
+        ctx.name, ctx.copy = name, copy
+        record("compute", name, "fwd", copy)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        record("compute", ctx.name, "bwd", ctx.copy)
+        return grad, None, None
+
+
+def issue(x: Tensor, link: AsyncCollective) -> Tensor:
+    """Start link's collective on x; returns the token to pass to wait / wait_linears."""
+    return _Issue.apply(x, link)
+
+
+def wait(token: Tensor, link: AsyncCollective) -> Tensor:
+    """The result of link's collective (blocks until it is done)."""
+    return _Wait.apply(token, link)
+
+
+def wait_linears(token: Tensor, link: AsyncCollective, weights, biases) -> tuple[Tensor, ...]:
+    """wait(token, link) followed by F.linear(result, w, b) for each weight, in one node whose backward overlaps
+    the input-grad collective with the weight-grad GEMMs."""
+    weights, biases = list(weights), list(biases)
+    return _WaitLinears.apply(token, link, len(weights), *weights, *biases)
+
+
+def mark_compute(x: Tensor, name: str) -> Tensor:
+    """x unchanged; logs a compute event for the current copy in forward and backward while recording (else x)."""
+    if not instruments.is_recording():
+        return x
+    if not torch.is_grad_enabled():
+        record("compute", name, "fwd")
+        return x
+    return _Mark.apply(x, name, instruments.active_copy())

@@ -1,0 +1,195 @@
+"""Megatron-style autograd collectives: the one place where tp/sp/cp layers talk to other ranks (DESIGN style 2).
+
+Each Function is named <what forward does><what backward does> and takes its process group explicitly (no module
+state). Layers call the lowercase wrappers, which return the input untouched on a size-1 group (no communication).
+
+| wrapper                                      | forward                    | backward                   | Megatron           |
+|----------------------------------------------|----------------------------|----------------------------|--------------------|
+| copy_to_region(x, g)                         | identity                   | all-reduce (sum)           | f                  |
+| reduce_from_region(x, g)                     | all-reduce (sum)           | identity                   | g                  |
+| gather_from_sequence_region(x, g, dim)       | all-gather along dim       | reduce-scatter along dim   | SP before column   |
+| reduce_scatter_to_sequence_region(x, g, dim) | reduce-scatter along dim   | all-gather along dim       | SP after row       |
+| scatter_to_region(x, g, dim)                 | keep my slice of dim       | all-gather along dim       | scatter_to_tp      |
+| gather_from_region(x, g, dim)                | all-gather along dim       | keep my slice of dim       | gather_output      |
+| seq_to_head(x, g) / head_to_seq(x, g)        | Ulysses all-to-all         | the inverse all-to-all     | (DeepSpeed-Ulysses)|
+
+The plain collectives underneath (slices in group-rank order, sums in the tensor's dtype) are in
+msparallel_ds.distributed.collectives; the async issue/wait pairs of the interleave in msparallel_ds.interleave.overlap.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..distributed.collectives import _chunk, _size, all_gather_along, all_reduce, reduce_scatter_along, split_along
+
+__all__ = ["IdentityAllReduce", "AllReduceIdentity", "AllGatherReduceScatter", "ReduceScatterAllGather",
+           "SplitAllGather", "AllGatherSplit", "SeqToHeadAllToAll", "HeadToSeqAllToAll",
+           "copy_to_region", "reduce_from_region", "gather_from_sequence_region", "reduce_scatter_to_sequence_region",
+           "scatter_to_region", "gather_from_region", "seq_to_head", "head_to_seq"]
+
+
+# ---------------------------------------------------------------------------------------------- autograd pairs
+class IdentityAllReduce(torch.autograd.Function):
+    """Megatron f. Forward: identity. Backward: all-reduce (each rank's branch contributed part of the grad)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)  # a new tensor object, so autograd records this node
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return all_reduce(grad, ctx.group), None
+
+
+class AllReduceIdentity(torch.autograd.Function):
+    """Megatron g. Forward: all-reduce of partial results. Backward: identity (the output is replicated)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class AllGatherReduceScatter(torch.autograd.Function):
+    """SP into a column-parallel region. Forward: all-gather along dim. Backward: reduce-scatter along dim (every
+    rank's branch used the whole gathered tensor, so each slice's grad is the sum over ranks)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return all_gather_along(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return reduce_scatter_along(grad, ctx.group, ctx.dim), None, None
+
+
+class ReduceScatterAllGather(torch.autograd.Function):
+    """SP out of a row-parallel region. Forward: reduce-scatter along dim. Backward: all-gather along dim."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter_along(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return all_gather_along(grad, ctx.group, ctx.dim), None, None
+
+
+class SplitAllGather(torch.autograd.Function):
+    """Forward: keep this rank's slice of a replicated tensor. Backward: all-gather the slices' grads."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return split_along(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return all_gather_along(grad, ctx.group, ctx.dim), None, None
+
+
+class AllGatherSplit(torch.autograd.Function):
+    """Forward: all-gather slices into a replicated tensor. Backward: keep this rank's slice of the grad (every rank
+    holds the same replicated grad, so no sum)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return all_gather_along(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return split_along(grad, ctx.group, ctx.dim), None, None
+
+
+def copy_to_region(x: Tensor, group) -> Tensor:
+    return x if _size(group) == 1 else IdentityAllReduce.apply(x, group)
+
+
+def reduce_from_region(x: Tensor, group) -> Tensor:
+    return x if _size(group) == 1 else AllReduceIdentity.apply(x, group)
+
+
+def gather_from_sequence_region(x: Tensor, group, dim: int) -> Tensor:
+    return x if _size(group) == 1 else AllGatherReduceScatter.apply(x, group, dim)
+
+
+def reduce_scatter_to_sequence_region(x: Tensor, group, dim: int) -> Tensor:
+    if _size(group) == 1:
+        return x
+    _chunk(x, group, dim)  # raise the clear error here, outside autograd
+    return ReduceScatterAllGather.apply(x, group, dim)
+
+
+def scatter_to_region(x: Tensor, group, dim: int) -> Tensor:
+    return x if _size(group) == 1 else SplitAllGather.apply(x, group, dim)
+
+
+def gather_from_region(x: Tensor, group, dim: int) -> Tensor:
+    return x if _size(group) == 1 else AllGatherSplit.apply(x, group, dim)
+
+
+# ---------------------------------------------------------------------------------------------- Ulysses all-to-all
+def _seq_to_head(x: Tensor, group) -> Tensor:
+    """[b, h, s, d] (sequence piece `rank`) -> [b, h/U, U*s, d] (head chunk `rank`, sequence in rank order)."""
+    u = dist.get_world_size(group)
+    b, h, s, d = x.shape
+    # dim 0 = destination rank: head chunk j goes to rank j (all_to_all_single splits dim 0 evenly)
+    send = x.reshape(b, u, h // u, s, d).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    # dim 0 = source rank = its sequence piece: put it in front of the sequence dim
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // u, u * s, d)
+
+
+def _head_to_seq(x: Tensor, group) -> Tensor:
+    """Inverse of _seq_to_head: [b, h/U, U*s, d] -> [b, h, s, d]."""
+    u = dist.get_world_size(group)
+    b, hu, us, d = x.shape
+    s = us // u
+    send = x.reshape(b, hu, u, s, d).permute(2, 0, 1, 3, 4).contiguous()  # dim 0 = destination's sequence piece
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.transpose(0, 1).reshape(b, u * hu, s, d)  # dim 0 = source rank = head chunk
+
+
+class SeqToHeadAllToAll(torch.autograd.Function):
+    """Forward: gather the sequence, scatter the heads over `group`. Backward: the inverse (head-to-seq)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return _seq_to_head(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _head_to_seq(grad, ctx.group), None
+
+
+class HeadToSeqAllToAll(torch.autograd.Function):
+    """Forward: gather the heads, scatter the sequence over `group`. Backward: the inverse (seq-to-head)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return _head_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _seq_to_head(grad, ctx.group), None
+
+
+def seq_to_head(x: Tensor, group) -> Tensor:
+    return x if _size(group) == 1 else SeqToHeadAllToAll.apply(x, group)
+
+
+def head_to_seq(x: Tensor, group) -> Tensor:
+    return x if _size(group) == 1 else HeadToSeqAllToAll.apply(x, group)
