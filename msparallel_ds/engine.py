@@ -81,7 +81,7 @@ class Engine:
         return inputs_and_targets(micro, self.layout)
 
     def _token_loss_sum(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return token_loss_sum(logits, targets, self.applied.adapter.output_head(self.model))
+        return token_loss_sum(logits, targets, self.applied.output_head(self.model))
 
     def train_batch(self, batch: Mapping[str, Any]) -> Tensor:
         """One optimizer step on this dp rank's share of the global batch; returns the global-batch mean loss

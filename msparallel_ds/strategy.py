@@ -68,7 +68,7 @@ class Applied:
     interleave (None when off)."""
 
     layout: ParallelLayout
-    adapter: DecoderAdapter
+    adapter: Optional[DecoderAdapter]  # None: a model family without an adapter, run with dp / ZeRO / cp only
     tp_plan: dict[str, str]
     spec: ShardSpec
     sequence_parallel: bool
@@ -76,6 +76,21 @@ class Applied:
     cp_algo: Optional[str]
     recompute: dict[str, list[str]]
     interleave: Optional[Interleave]
+
+    def output_head(self, part: nn.Module) -> Optional[nn.Module]:
+        """The part's output head (vocab-parallel under vocab_emb_dp: false), for the engines' loss."""
+        return self.adapter.output_head(part) if self.adapter is not None else part.get_output_embeddings()
+
+
+def _adapter(part: nn.Module, needed: bool) -> Optional[DecoderAdapter]:
+    """The part's family adapter. Data parallel, ZeRO and context parallel need none (cp swaps HF's attention
+    function), so a family without one still runs them; tp, recompute and interleave raise the adapter error."""
+    try:
+        return adapter_for(part)
+    except ValueError:
+        if needed:
+            raise
+        return None
 
 
 def combine(records: list[Applied]) -> Applied:
@@ -93,8 +108,10 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
     from .recompute import apply_recompute
     from .tensor_parallel.apply import apply_tp
 
-    adapter = adapter_for(part)
-    tp = layout.size("tp")
+    tp, inter = layout.size("tp"), options.interleave
+    recompute_on = options.recompute is not None and options.recompute.mode != "none"
+    interleave_on = inter.copies > 1 or inter.fine_grain > 1 or inter.copy_loss != "mean"
+    adapter = _adapter(part, needed=tp > 1 or recompute_on or interleave_on)
     names = [n for n, _ in part.named_parameters(remove_duplicate=False)]
     plan: dict[str, str] = {}
     if tp > 1:
@@ -109,10 +126,9 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
 
         use_cp_attention(part, layout, algo=options.cp_algo, backend=options.cp_backend)
         cp_algo = resolve_algo(layout, options.cp_algo)
-    recompute = apply_recompute(part, options.recompute, stage=stage, chunk=chunk)
-    inter = options.interleave
+    recompute = apply_recompute(part, options.recompute, stage=stage, chunk=chunk) if recompute_on else {}
     interleave = None
-    if inter.copies > 1 or inter.fine_grain > 1 or inter.copy_loss != "mean":
+    if interleave_on:
         from .interleave.multi_copy import install
 
         install(part, inter.copies, inter.fine_grain, copy_loss=inter.copy_loss)

@@ -146,6 +146,25 @@ def test_unsupported_architecture_names_the_supported_ones():
         tp_parallelize(model, _fake_layout(2))
 
 
+def _dp_only_gpt2(rank, world_size):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import msparallel_ds as msp
+    from msparallel_ds.strategy import applied_to
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
+    layout = msp.init_parallel(msp.load_config({"parallel_config": {"data_parallel": world_size}}))
+    msp.parallelize(model, layout)
+    done = applied_to(model)
+    return done.adapter, done.output_head(model) is model.lm_head, len(done.spec.split_names())
+
+
+def test_a_family_without_adapter_still_runs_data_parallel():
+    """Only tp, recompute and interleave need the family adapter; dp / ZeRO / cp run any HF causal LM."""
+    for adapter, head_found, split in run_distributed(_dp_only_gpt2, 2, timeout=120):
+        assert adapter is None and head_found and split == 0
+
+
 @pytest.mark.parametrize("tp, match", [
     (3, "num_attention_heads=4 is not divisible by the tensor-parallel size tp=3"),
     (8, "num_attention_heads=4 is not divisible by the tensor-parallel size tp=8"),

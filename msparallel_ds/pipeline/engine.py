@@ -104,7 +104,7 @@ class PipelineEngine:
         self.n_stages = layout.size("pp") * plan.pp_virtual_stages
         self.holds_first, self.holds_last = 0 in stage_ids, self.n_stages - 1 in stage_ids
         self._n_tokens: Optional[Tensor] = None
-        self._head = applied.adapter.output_head(view)
+        self._head = applied.output_head(view)
 
     @property
     def spec(self):
