@@ -47,7 +47,8 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainingArguments
 
-from .accelerate import MindFormersAccelerator, refuse_pipeline, resolve_config
+from .accelerate import MindFormersAccelerator
+from .config import refuse_pipeline, resolve_config
 
 __all__ = ["MindFormersTrainer", "training_arguments_from_yaml"]
 
