@@ -26,8 +26,6 @@ from .tensor_parallel.spec import ShardSpec
 
 __all__ = ["Applied", "Interleave", "Options", "applied_to", "combine", "parallelize", "parallelize_part"]
 
-COPY_LOSS_MODES = ("mean", "sum")
-
 
 @dataclass(frozen=True)
 class Interleave:
@@ -170,9 +168,9 @@ def parallelize(model: nn.Module, layout: ParallelLayout, *, sequence_parallel: 
                          "model by itself; pass the plain HF model to msp.initialize(model, cfg, optimizer=...), whose "
                          "pipeline engine splits it into stages and runs the schedule (under torchrun or the "
                          "deepspeed launcher)")
-    if copy_loss not in COPY_LOSS_MODES:
-        raise ValueError(f"copy_loss={copy_loss!r}: one of {COPY_LOSS_MODES} ('mean': the non-interleaved step's "
-                         "gradient; 'sum': MindSpore's summed copies)")
+    from .interleave.multi_copy import check_copy_loss
+
+    check_copy_loss(copy_loss)  # before anything is sharded
     options = Options.from_plan(getattr(layout, "plan", None))
     overrides = {k: v for k, v in (("sequence_parallel", sequence_parallel), ("vocab_parallel", vocab_parallel),
                                    ("cp_algo", cp_algo), ("recompute", recompute), ("cp_backend", cp_backend))

@@ -49,7 +49,8 @@ from ..tensor_parallel.mappings import scatter_to_region
 from .fine_grain import SEQ_DIM, decomposable, join_chunks, layer_steps, resolve, split_chunks
 from .schedule import round_robin, run
 
-__all__ = ["COPY_LOSS_MODES", "InterleavedStack", "copy_loss_terms", "install", "installed", "run_layers"]
+__all__ = ["COPY_LOSS_MODES", "InterleavedStack", "check_copy_loss", "copy_loss_terms", "install", "installed",
+           "run_layers"]
 
 COPY_LOSS_MODES = ("mean", "sum")
 
@@ -122,13 +123,17 @@ class InterleavedStack:
         return outs[0] if n == 1 else torch.cat(outs, 0)
 
 
+def check_copy_loss(copy_loss: str) -> None:
+    if copy_loss not in COPY_LOSS_MODES:
+        raise ValueError(f"copy_loss={copy_loss!r}: one of {COPY_LOSS_MODES} ('mean': the non-interleaved step's "
+                         "gradient; 'sum': MindSpore's summed copies)")
+
+
 def install(part: nn.Module, n_copies: int, fine_grain: int = 1, *, copy_loss: str = "mean") -> nn.Module:
     """Run the decoder layers of `part` (a HF causal LM or a pipeline stage) as n_copies interleaved copies, each
     layer's tokens in fine_grain chunks (installing again replaces the settings; returns part). The HF causal-LM
     API is unchanged."""
-    if copy_loss not in COPY_LOSS_MODES:
-        raise ValueError(f"copy_loss={copy_loss!r}: one of {COPY_LOSS_MODES} ('mean': the non-interleaved step's "
-                         "gradient; 'sum': MindSpore's summed copies)")
+    check_copy_loss(copy_loss)
     if n_copies < 1 or fine_grain < 1:
         raise ValueError(f"micro_batch_interleave_num={n_copies} and fine_grain_interleave={fine_grain} must be >= 1")
     adapter = adapter_for(part)
