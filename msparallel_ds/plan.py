@@ -188,7 +188,7 @@ def make_plan(cfg: ParallelConfig | Any, world_size: Optional[int] = None) -> Pl
     if cfg.parallel_config.use_seq_parallel and tp == 1:
         notes.append("use_seq_parallel has no effect with model_parallel=1")
     fgi = cfg.model.fine_grain_interleave if tp > 1 else 1
-    n_layers = cfg.model.pipeline_layers
+    n_layers = cfg.pipeline_layers
     layers = layers_per_stage(n_layers, pp, vpp, cfg.model.offset) if n_layers is not None else None
     zero = _zero(cfg, mesh, notes)
     recompute = _recompute(cfg, pp, vpp, layers)

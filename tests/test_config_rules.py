@@ -269,3 +269,59 @@ def test_dynamic_loss_scale_matches_mindspore_cell():
     fp16 = p.to_deepspeed()["fp16"]
     assert fp16["hysteresis"] == 1 and fp16["loss_scale_window"] == 50 and fp16["initial_scale_power"] == 10
     assert any("scale_factor=4" in n for n in p.notes) and any("2^10" in n for n in p.notes)
+
+
+# ---------------------------------------------------------------------------------------------- MindFormers 2.1 fidelity
+# Sources (mindformers 2.1.0 wheel): tools/utils.py:39-48 and core/context/validators.py:52-60 (parallel_mode
+# spellings, MANUAL_PARALLEL = STAND_ALONE); core/parallel_config.py:63-74 (degrees validated as positive ints when
+# the parallel config is built, before trainer/base_trainer.py:280-297 resets them), and
+# modules/transformer/transformer.py:591-613 (hybrid ulysses rule on the YAML's values);
+# parallel_core/training_graph/transformer/utils.py:569-603 (mcore LayerSetting: sum(offset) == num_layers %
+# (pp*vpp) with num_layers excluding MTP, head and tail stages may hold 0 layers); MindSpore's optimizer sharding
+# (a shard size >= the data-parallel group shards over the whole group).
+def test_manual_parallel_runs_as_stand_alone():
+    with pytest.warns(ConfigWarning, match="MANUAL_PARALLEL as STAND_ALONE"):
+        c = msp.load_config(cfg({"data_parallel": 2, "model_parallel": 2},
+                                parallel={"parallel_mode": "MANUAL_PARALLEL"}))
+    assert c.parallel.parallel_mode == "stand_alone"
+    assert msp.make_plan(c).mesh.as_dict() == {"pp": 1, "dp": 1, "cp": 1, "cp_ring": 1, "cp_ulysses": 1, "tp": 1}
+    assert msp.load_config(cfg({}, parallel={"parallel_mode": "SEMI_AUTO_PARALLEL"})).parallel.parallel_mode == \
+        "semi_auto_parallel"
+
+
+def test_reset_modes_still_reject_bad_degrees_and_check_ulysses_first():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)
+        issue(cfg({"data_parallel": -2}, use_parallel=False), "parallel_config.data_parallel")
+        issue(cfg({"model_parallel": 1.5}, parallel={"parallel_mode": 0}), "parallel_config.model_parallel")
+        issue(cfg({"context_parallel": 4, "context_parallel_algo": "hybrid_cp", "ulysses_degree_in_cp": 3},
+                  use_parallel=False), "parallel_config.ulysses_degree_in_cp")
+        # a valid hybrid split is reset with the rest and not checked against the reset context_parallel = 1
+        c = msp.load_config(cfg({"context_parallel": 4, "context_parallel_algo": "hybrid_cp",
+                                 "ulysses_degree_in_cp": 2}, use_parallel=False))
+    assert msp.make_plan(c).world_size == 1
+
+
+def test_optimizer_weight_shard_size_over_the_group_warns_and_shards_the_whole_group():
+    par = {"enable_parallel_optimizer": True, "parallel_optimizer_config": {"optimizer_weight_shard_size": 256}}
+    with pytest.warns(ConfigWarning, match="optimizer_weight_shard_size=256 is larger than"):
+        p = msp.make_plan(msp.load_config(cfg({"data_parallel": 4}, parallel=par)))
+    assert p.zero.group_size == 4 and p.zero.hpz_partition_size is None
+
+
+def test_mcore_offsets_exclude_mtp_and_allow_empty_head_and_tail_stages():
+    pp16 = {"pipeline_stage": 16, "micro_batch_num": 16}
+    model = {"num_layers": 16, "mtp_depth": 1, "offset": 0}
+    p = msp.make_plan(msp.load_config(cfg(pp16, model, use_legacy=False)))  # deepseek3 12b pp16
+    assert p.layers_per_stage == [[1] * 16]
+    i, _ = issue(cfg(pp16, model), "model.model_config.offset")  # legacy counts the MTP layer
+    assert "(num_layers + mtp_depth) % (pipeline_stage x pp_interleave_num)" in str(i)
+    pp4 = {"pipeline_stage": 4, "micro_batch_num": 4}
+    head_empty = {"num_layers": 6, "offset": [-1, 1, 1, 1]}
+    assert msp.make_plan(msp.load_config(cfg(pp4, head_empty, use_legacy=False))).layers_per_stage == [[0, 2, 2, 2]]
+    issue(cfg(pp4, head_empty), "model.model_config.offset")
+    i, _ = issue(cfg(pp4, {"num_layers": 6, "offset": [1, -1, 1, 1]}, use_legacy=False), "model.model_config.offset")
+    assert "middle stage" in str(i)
+    i, _ = issue(cfg(pp4, {"num_layers": 16, "mtp_num_layers": 1, "offset": 1}, use_legacy=False),
+                 "model.model_config.offset")
+    assert "num_layers % " in str(i)

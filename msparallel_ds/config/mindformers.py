@@ -20,11 +20,16 @@ MAX_FILE_BYTES = 16 << 20
 MAX_DEPTH = 32
 
 PARALLEL_MODE_NAMES = {0: "data_parallel", 1: "semi_auto_parallel", 2: "auto_parallel", 3: "hybrid_parallel"}
+# MindFormers' string spellings (tools/utils.py); MANUAL_PARALLEL is its alias of STAND_ALONE (the model code places
+# its own communication), so it runs stand-alone / data parallel like STAND_ALONE
+PARALLEL_MODE_STRINGS = {"DATA_PARALLEL": "data_parallel", "SEMI_AUTO_PARALLEL": "semi_auto_parallel",
+                         "AUTO_PARALLEL": "auto_parallel", "HYBRID_PARALLEL": "hybrid_parallel",
+                         "STAND_ALONE": "stand_alone", "MANUAL_PARALLEL": "stand_alone"}
 
 # model.model_config spellings: ours <- (legacy, mcore/HF, GLM)
 MODEL_ALIASES = {
     "num_layers": ("num_layers", "num_hidden_layers"),
-    "mtp_depth": ("mtp_depth", "num_nextn_predict_layers"),
+    "mtp_depth": ("mtp_depth", "num_nextn_predict_layers", "mtp_num_layers"),
     "num_heads": ("num_heads", "num_attention_heads"),
     "n_kv_heads": ("n_kv_heads", "num_key_value_heads", "num_query_groups", "multi_query_group_num"),
     "hidden_size": ("hidden_size",),
@@ -211,12 +216,17 @@ def _normalize(raw: Mapping, issues: list[ConfigIssue], spelled: dict[str, str])
     mode = par.get("parallel_mode")
     if isinstance(mode, int) and not isinstance(mode, bool) and mode in PARALLEL_MODE_NAMES:
         par["parallel_mode"] = PARALLEL_MODE_NAMES[mode]
+    elif isinstance(mode, str) and mode.upper() in PARALLEL_MODE_STRINGS:
+        if mode.upper() == "MANUAL_PARALLEL":
+            warnings.warn(f"parallel.parallel_mode={mode}: MindFormers runs MANUAL_PARALLEL as STAND_ALONE (the model "
+                          "places its own communication); it runs as stand_alone here", ConfigWarning, stacklevel=4)
+        par["parallel_mode"] = PARALLEL_MODE_STRINGS[mode.upper()]
     for sub in ("parallel_optimizer_config", "pipeline_config"):
         if sub in par:
             par[sub] = _section(par, sub, issues, f"parallel.{sub}")
     out["parallel"] = par
 
-    for key in ("micro_batch_interleave_num", "use_parallel"):
+    for key in ("micro_batch_interleave_num", "use_parallel", "use_legacy"):
         if raw.get(key) is not None:
             out[key] = raw[key]
     recompute = _section(raw, "recompute_config", issues)
@@ -234,7 +244,7 @@ def _normalize(raw: Mapping, issues: list[ConfigIssue], spelled: dict[str, str])
 
     if raw.get("parallelism") is not None:
         _apply_parallelism(_section(raw, "parallelism", issues), out, issues)
-    _apply_mode_resets(out)
+    _apply_mode_resets(out, issues)
     return out
 
 
@@ -341,9 +351,12 @@ def _apply_parallelism(p: dict, out: dict, issues: list[ConfigIssue]) -> None:
     out["parallel_config"] = {**out["parallel_config"], **pc}
 
 
-def _apply_mode_resets(out: dict) -> None:
-    """MindFormers runs stand-alone (use_parallel: false) or pure data parallel (parallel_mode: data_parallel)
-    by resetting every model-parallel degree to 1; the data-parallel degree then comes from the device count."""
+def _apply_mode_resets(out: dict, issues: list[ConfigIssue]) -> None:
+    """MindFormers runs stand-alone (use_parallel: false, STAND_ALONE / MANUAL_PARALLEL) or pure data parallel
+    (parallel_mode: data_parallel) by resetting every model-parallel degree to 1; the data-parallel degree then
+    comes from the device count. As there, the degrees are validated first (a negative or non-integer one is still
+    an error, left for the schema to report) and the hybrid ulysses rule is checked on the YAML's values; the reset
+    context_parallel of 1 is not checked against ulysses_degree_in_cp again."""
     mode = out["parallel"].get("parallel_mode")
     reason = None
     if out.get("use_parallel") is False:
@@ -353,14 +366,21 @@ def _apply_mode_resets(out: dict) -> None:
     if reason is None:
         return
     pc = out["parallel_config"]
-    changed = [k for k in ("data_parallel", "model_parallel", "context_parallel", "pipeline_stage", "expert_parallel")
-               if _is_int(pc.get(k)) and pc[k] != 1]
+    cp, uly = pc.get("context_parallel", 1), pc.get("ulysses_degree_in_cp", 1)
+    if pc.get("context_parallel_algo") == "hybrid_cp" and _is_int(cp) and _is_int(uly) and uly >= 1 and cp % uly:
+        issues.append(ConfigIssue("parallel_config.ulysses_degree_in_cp", uly,
+                                  f"must divide parallel_config.context_parallel={cp} (checked before {reason} "
+                                  "resets it)", f"use one of {[d for d in range(1, cp + 1) if cp % d == 0]}"))
+    degrees = ("data_parallel", "model_parallel", "context_parallel", "pipeline_stage", "expert_parallel",
+               "ulysses_degree_in_cp")
+    valid = [k for k in degrees if _is_int(pc.get(k, 1)) and pc.get(k, 1) >= 1]
+    changed = [k for k in valid if pc.get(k, 1) != 1]
     if pc.get("use_seq_parallel") is True:
         changed.append("use_seq_parallel")
     if changed:
         warnings.warn(f"{reason}: MindFormers resets parallel_config {', '.join(changed)} "
                       "(model parallelism off, data parallel over all devices)", ConfigWarning, stacklevel=5)
-    for k in ("data_parallel", "model_parallel", "context_parallel", "pipeline_stage", "expert_parallel"):
+    for k in valid:
         pc[k] = 1
     pc["use_seq_parallel"] = False
 

@@ -143,7 +143,7 @@ def _pipeline_rules(cfg: ParallelConfig):
     if cfg.model.pp_interleave_num > 1 and vpp == 1:
         _warn(f"{MC}.pp_interleave_num={cfg.model.pp_interleave_num} acts only with "
               "parallel.pipeline_config.pipeline_interleave: true; ignored")
-    if cfg.model.num_layers is not None and cfg.model.pipeline_layers < cfg.pp * vpp:
+    if cfg.model.num_layers is not None and cfg.pipeline_layers < cfg.pp * vpp:
         yield ConfigIssue(f"{MC}.num_layers", cfg.model.num_layers,
                           f"must be >= pipeline_stage x pp_interleave_num = {cfg.pp * vpp} (one layer per stage)",
                           "lower pipeline_stage or pp_interleave_num")
@@ -208,12 +208,12 @@ def _offset_rules(cfg: ParallelConfig):
         yield ConfigIssue(key, offset, f"needs one row per virtual chunk (pp_interleave_num effectively {vpp}), "
                           f"got {shape[0]}", f"give {vpp} rows of {pp} values")
         return
-    n = cfg.model.pipeline_layers
+    n = cfg.pipeline_layers
     if n is None:
         return
     remainder = n % (pp * vpp)
     if _offset_sum(offset) != remainder:
-        layers = "num_layers + mtp_depth" if cfg.model.mtp_depth else "num_layers"
+        layers = "(num_layers + mtp_depth)" if cfg.model.mtp_depth and cfg.use_legacy else "num_layers"
         yield ConfigIssue(key, offset, f"must sum to {layers} % (pipeline_stage x pp_interleave_num) = "
                           f"{n} % {pp * vpp} = {remainder}, but sums to {_offset_sum(offset)}",
                           "adjust the offsets so they add up to the remainder (layers per stage = "
@@ -225,9 +225,15 @@ def _offset_rules(cfg: ParallelConfig):
                           f"(a per-stage list applies to each of the {vpp} virtual chunks)",
                           f"give {vpp} rows of {pp} offsets, one row per virtual chunk")
         return
-    if any(c < 1 for row in counts for c in row):
+    flat = [c for row in counts for c in row]  # global stage order: chunk-major
+    if cfg.use_legacy and min(flat) < 1:
         yield ConfigIssue(key, offset, f"leaves a stage without layers (layers per stage {counts})",
                           "make every num_layers // (pp x vpp) + offset at least 1")
+    elif not cfg.use_legacy and (min(flat) < 0 or min(flat[1:-1], default=1) < 1):
+        # mcore LayerSetting: the first and the last stage may hold 0 layers, every stage between needs one
+        yield ConfigIssue(key, offset, f"leaves a middle stage without layers, or a stage with fewer than 0 "
+                          f"(layers per stage {counts}; with use_legacy: false only the first and last stage may "
+                          "hold 0)", "make every middle stage's num_layers // (pp x vpp) + offset at least 1")
 
 
 def _recompute_rules(cfg: ParallelConfig):
@@ -257,8 +263,13 @@ def _optimizer_rules(cfg: ParallelConfig):
     poc = cfg.parallel.parallel_optimizer_config
     size = poc.optimizer_weight_shard_size
     group = cfg.dp * cfg.cp
-    if cfg.parallel.enable_parallel_optimizer and size not in (-1, 0) and cfg.parallelism is None \
-            and group % size != 0:
+    if not (cfg.parallel.enable_parallel_optimizer and size not in (-1, 0) and cfg.parallelism is None):
+        return
+    if size > group:  # MindSpore then shards each parameter over its whole data-parallel group (no sub-group)
+        _warn(f"parallel.parallel_optimizer_config.optimizer_weight_shard_size={size} is larger than the "
+              f"optimizer-parallel group data_parallel x context_parallel = {group}: MindSpore shards over the whole "
+              f"group then, and so does this run (as -1)")
+    elif group % size != 0:
         yield ConfigIssue("parallel.parallel_optimizer_config.optimizer_weight_shard_size", size,
                           f"must divide the optimizer-parallel group data_parallel x context_parallel = {group}",
                           f"use -1 (whole group) or one of {_divisors(group)}")

@@ -164,11 +164,6 @@ class ModelShape(_Section):
     param_init_type: Literal["float32", "float16", "bfloat16"] = "float32"
 
     @property
-    def pipeline_layers(self) -> Optional[int]:
-        """Layers the pipeline splits: MindFormers counts MTP layers with the decoder layers."""
-        return None if self.num_layers is None else self.num_layers + self.mtp_depth
-
-    @property
     def kv_heads(self) -> Optional[int]:
         return self.n_kv_heads or self.num_heads
 
@@ -189,6 +184,7 @@ class ParallelConfig(_Section):
     parallel: ParallelSection = ParallelSection()
     micro_batch_interleave_num: Degree = 1
     use_parallel: StrictBool = True
+    use_legacy: StrictBool = True  # False: MindFormers 2.x mcore models (their pipeline offsets exclude MTP layers)
     recompute_config: RecomputeConfig = RecomputeConfig()
     runner_config: RunnerConfig = RunnerConfig()
     runner_wrapper: RunnerWrapper = RunnerWrapper()
@@ -215,6 +211,15 @@ class ParallelConfig(_Section):
     @property
     def pp(self) -> int:
         return self.parallel_config.pipeline_stage
+
+    @property
+    def pipeline_layers(self) -> Optional[int]:
+        """Layers the pipeline offsets split: the legacy models count MTP layers with the decoder layers; mcore
+        (use_legacy: false) places MTP on the last stage and excludes it (LayerSetting, transformer/utils.py)."""
+        n = self.model.num_layers
+        if n is None:
+            return None
+        return n + self.model.mtp_depth if self.use_legacy else n
 
     @property
     def ep(self) -> int:
