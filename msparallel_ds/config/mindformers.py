@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import warnings
-from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
 from pydantic import ValidationError
 
 from .errors import ConfigError, ConfigIssue, ConfigWarning
+from .reader import MAX_DEPTH, check_depth, read_source
 from .rules import check_rules
 from .schema import PARALLELISM_KEYS, ParallelConfig, ParallelConfigSection
 
-MAX_FILE_BYTES = 16 << 20
-MAX_DEPTH = 32
 
 PARALLEL_MODE_NAMES = {0: "data_parallel", 1: "semi_auto_parallel", 2: "auto_parallel", 3: "hybrid_parallel"}
 # MindFormers' string spellings (tools/utils.py); MANUAL_PARALLEL is its alias of STAND_ALONE (the model code places
@@ -60,7 +56,7 @@ def load_config(source: Any, *, name: str | None = None) -> ParallelConfig:
     """A path, a mapping or YAML text -> validated ParallelConfig. Raises ConfigError, and only ConfigError."""
     label = name
     try:
-        raw, label = _read(source, label)
+        raw, label = read_source(source, label)
         return _build(raw, label)
     except ConfigError:
         raise
@@ -72,82 +68,6 @@ def load_config(source: Any, *, name: str | None = None) -> ParallelConfig:
                                        "pass a MindFormers YAML file, YAML text or a dict")], label) from None
 
 
-def _read(source: Any, label: str | None) -> tuple[Any, str | None]:
-    if isinstance(source, ParallelConfig):
-        raise ConfigError([ConfigIssue("", "ParallelConfig", "is already a loaded config",
-                                       "use it directly instead of calling load_config again")], label)
-    if isinstance(source, Mapping):
-        return source, label or "<dict>"
-    if isinstance(source, bytes):
-        return _parse(source, label or "<bytes>"), label or "<bytes>"
-    if isinstance(source, os.PathLike):
-        return _read_file(Path(source), label)
-    if isinstance(source, str):
-        if _names_a_file(source):
-            return _read_file(Path(source), label)
-        return _parse(source.encode("utf-8", "surrogatepass"), label or "<yaml text>"), label or "<yaml text>"
-    raise ConfigError([ConfigIssue("", type(source).__name__, "is not a path, a mapping or YAML text",
-                                   "pass a MindFormers YAML file path, YAML text or a dict")], label)
-
-
-def _names_a_file(text: str) -> bool:
-    """A one-line string is a path when it names an existing file or looks like a YAML file name; anything
-    with a newline, or a one-line mapping such as `{parallel_config: {...}}`, is YAML text."""
-    if "\n" in text or len(text) > 4096:
-        return False
-    try:
-        if Path(text).is_file():
-            return True
-    except (OSError, ValueError):  # too long for a file name, NUL bytes, ...
-        return False
-    return text.strip().endswith((".yaml", ".yml", ".json")) and not text.lstrip().startswith(("{", "["))
-
-
-def _read_file(path: Path, label: str | None) -> tuple[Any, str]:
-    label = label or str(path)
-    if not path.is_file():
-        raise ConfigError([ConfigIssue("file", str(path), "does not exist or is not a file",
-                                       "pass the path of a MindFormers YAML")], label)
-    if path.stat().st_size > MAX_FILE_BYTES:
-        raise ConfigError([ConfigIssue("file", str(path), f"is larger than {MAX_FILE_BYTES >> 20} MiB",
-                                       "pass a MindFormers YAML, not a data file")], label)
-    return _parse(path.read_bytes(), label), label
-
-
-def _parse(data: bytes, label: str) -> Any:
-    if len(data) > MAX_FILE_BYTES:
-        raise ConfigError([ConfigIssue("", f"{len(data)} bytes", "is too large for a configuration",
-                                       "pass a MindFormers YAML")], label)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError([ConfigIssue("file", label, "is not UTF-8 text (binary file?)",
-                                       "pass a MindFormers YAML file")], label) from None
-    if "\x00" in text:
-        raise ConfigError([ConfigIssue("file", label, "contains NUL bytes (binary file?)",
-                                       "pass a MindFormers YAML file")], label)
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError([ConfigIssue("", label, f"is not valid YAML{at}: {problem}",
-                                       "fix the YAML syntax")], label) from None
-
-
-def _check_depth(node: Any, depth: int = 0, seen: set | None = None) -> None:
-    """MindFormers caps YAML nesting; aliases can also make a small file a huge tree. Walk each node once."""
-    seen = set() if seen is None else seen
-    if id(node) in seen or not isinstance(node, (dict, list)):
-        return
-    seen.add(id(node))
-    if depth > MAX_DEPTH:
-        raise RecursionError
-    for child in (node.values() if isinstance(node, dict) else node):
-        _check_depth(child, depth + 1, seen)
-
-
 def _build(raw: Any, label: str | None) -> ParallelConfig:
     if raw is None:
         raise ConfigError([ConfigIssue("", "<empty>", "the document is empty",
@@ -155,7 +75,7 @@ def _build(raw: Any, label: str | None) -> ParallelConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError([ConfigIssue("", type(raw).__name__, "the top level must be a mapping of keys",
                                        "write `parallel_config:`, `parallel:` etc. as top-level keys")], label)
-    _check_depth(raw)
+    check_depth(raw)
     issues: list[ConfigIssue] = []
     spelled: dict[str, str] = {}  # our key path -> the spelling the YAML used (mcore/HF names)
     data = _normalize(raw, issues, spelled)
