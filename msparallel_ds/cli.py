@@ -106,15 +106,23 @@ def _cmd_convert(args) -> int:
 def _cmd_validate(args) -> int:
     worst = 0
     for f in args.files:
-        try:
-            plan = _plan(f, args.world_size)
-            m = plan.mesh
-            print(f"ok    {f}: world {plan.world_size} (pp {m.pp}, dp {m.dp}, cp {m.cp}, tp {m.tp}), "
-                  f"global batch {plan.global_batch_size}, ZeRO {plan.zero.stage}")
-        except ConfigError as exc:
-            worst = max(worst, 2)
-            detail = "; ".join(str(i) for i in exc.issues)
-            print(f"error {f}: {detail}")
+        with warnings.catch_warnings(record=True) as caught:  # each file's warnings under its own line
+            warnings.simplefilter("always", ConfigWarning)
+            try:
+                plan = _plan(f, args.world_size)
+                m = plan.mesh
+                print(f"ok    {f}: world {plan.world_size} (pp {m.pp}, dp {m.dp}, cp {m.cp}, tp {m.tp}), "
+                      f"global batch {plan.global_batch_size}, ZeRO {plan.zero.stage}")
+            except ConfigError as exc:
+                worst = max(worst, 2)
+                detail = "; ".join(str(i) for i in exc.issues)
+                print(f"error {f}: {detail}")
+        sys.stdout.flush()
+        for w in caught:
+            if issubclass(w.category, ConfigWarning):
+                print(f"warning: {f}: {w.message}", file=sys.stderr)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return worst
 
 

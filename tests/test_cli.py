@@ -318,3 +318,14 @@ def test_plan_json_every_real_config(run, path):
         return
     assert code == 0, err
     check_plan_json(json.loads(out))
+
+
+def test_validate_names_the_file_of_each_warning(run, tmp_path):
+    warns = tmp_path / "warns.yaml"
+    warns.write_text("parallel_config: {model_parallel: 2, pipeline_stage: 2, micro_batch_num: 2, vocab_emb_dp: true}\n")
+    quiet = tmp_path / "quiet.yaml"
+    quiet.write_text("parallel_config: {data_parallel: 2}\n")
+    code, out, err = run("validate", warns, quiet)
+    assert code == 0, err
+    assert [line.split()[0] for line in out.strip().splitlines()] == ["ok", "ok"]
+    assert f"warning: {warns}: parallel_config.vocab_emb_dp" in err and str(quiet) not in err
