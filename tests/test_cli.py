@@ -322,7 +322,8 @@ def test_plan_json_every_real_config(run, path):
 
 def test_validate_names_the_file_of_each_warning(run, tmp_path):
     warns = tmp_path / "warns.yaml"
-    warns.write_text("parallel_config: {model_parallel: 2, pipeline_stage: 2, micro_batch_num: 2, vocab_emb_dp: true}\n")
+    warns.write_text("parallel_config: {model_parallel: 2, pipeline_stage: 2, micro_batch_num: 2, "
+                     "vocab_emb_dp: true}\n")
     quiet = tmp_path / "quiet.yaml"
     quiet.write_text("parallel_config: {data_parallel: 2}\n")
     code, out, err = run("validate", warns, quiet)

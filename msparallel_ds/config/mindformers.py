@@ -149,6 +149,11 @@ def _normalize(raw: Mapping, issues: list[ConfigIssue], spelled: dict[str, str])
     for key in ("micro_batch_interleave_num", "use_parallel", "use_legacy"):
         if raw.get(key) is not None:
             out[key] = raw[key]
+    flag = out.get("use_parallel")
+    if flag is not None and not isinstance(flag, bool):  # e.g. `use_parallel: Flase` in a real config
+        warnings.warn(f"use_parallel={flag!r} is not a boolean; MindFormers tests only its truthiness, so it counts "
+                      f"as {bool(flag)}: write true or false", ConfigWarning, stacklevel=4)
+        out["use_parallel"] = bool(flag)
     recompute = _section(raw, "recompute_config", issues)
     if not recompute and isinstance(nested_recompute, Mapping):
         recompute = {k: v for k, v in nested_recompute.items() if v is not None}
