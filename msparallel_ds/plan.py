@@ -305,7 +305,7 @@ def _pp_schedule(cfg: ParallelConfig, pp: int, vpp: int) -> Optional[str]:
     if pp == 1:
         return None
     sched = cfg.parallel.pipeline_config.pipeline_scheduler
-    if sched == "1f1b":
+    if sched in ("1f1b", "seqpipe", "seqvpp", "seqsmartvpp"):  # the seq* schedulers run as 1F1B (config.rules)
         return "interleaved_1f1b" if vpp > 1 else "1f1b"
     if sched == "gpipe":
         return "looped_bfs" if vpp > 1 else "gpipe"

@@ -175,11 +175,21 @@ def test_sequence_must_split_evenly(pc, seq, fragment):
     msp.make_plan(cfg(pc, {**model, "seq_length": 128}))
 
 
-def test_unsupported_scheduler_and_zero_bubble_v_shape():
+def test_seq_schedulers_run_as_1f1b_with_mindformers_constraints_and_zero_bubble_v_shape():
+    # seqpipe/seqvpp/seqsmartvpp: the nearest schedule, same math, one warning; MindFormers' own constraints hold
+    pp2 = {"pipeline_stage": 2, "micro_batch_num": 2}
     par = {"pipeline_config": {"pipeline_scheduler": "seqpipe"}}
-    i, _ = issue(cfg({"pipeline_stage": 2, "micro_batch_num": 2}, parallel=par),
-                 "parallel.pipeline_config.pipeline_scheduler")
-    assert "1f1b" in str(i) and "gpipe" in str(i) and "zero_bubble_v" in str(i)
+    with pytest.warns(ConfigWarning, match="seqpipe: the sequence-chunked pipeline .* runs 1F1B with the same math"):
+        assert msp.make_plan(cfg({**pp2, "seq_split_num": 4}, parallel=par)).pp_schedule == "1f1b"
+    vpar = {"pipeline_config": {"pipeline_scheduler": "seqvpp", "pipeline_interleave": True}}
+    with pytest.warns(ConfigWarning, match="runs interleaved 1F1B"):
+        p = msp.make_plan(cfg({**pp2, "seq_split_num": 2}, {"pp_interleave_num": 2}, parallel=vpar))
+    assert p.pp_schedule == "interleaved_1f1b" and p.pp_virtual_stages == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)
+        issue(cfg(pp2, {"pp_interleave_num": 2}, parallel=vpar), "parallel_config.seq_split_num")  # seqvpp: > 1
+        issue(cfg(pp2, parallel=par, recompute_config={"recompute": True}), "recompute_config.recompute")
+        issue(cfg({**pp2, "seq_split_num": 4}, parallel=par, use_legacy=False), "parallel_config.seq_split_num")
     par = {"pipeline_config": {"pipeline_scheduler": "zero_bubble_v"}}
     issue(cfg({"pipeline_stage": 2, "micro_batch_num": 2}, parallel=par), "parallel.pipeline_config.pipeline_scheduler")
     par = {"pipeline_config": {"pipeline_scheduler": "zero_bubble_v", "pipeline_interleave": True}}

@@ -14,11 +14,11 @@ pytestmark = pytest.mark.distributed
 STEPS = 3
 
 
-def pp_config(*, pp=2, mbn=4, vpp=1, sched="1f1b", offset=0, mbi=1, fine_grain=1, **kw):
+def pp_config(*, pp=2, mbn=4, vpp=1, sched="1f1b", offset=0, mbi=1, fine_grain=1, seq_split=1, **kw):
     c = tiny_config(**kw)
     c["micro_batch_interleave_num"] = mbi
     c["model"]["model_config"]["fine_grain_interleave"] = fine_grain
-    c["parallel_config"].update(pipeline_stage=pp, micro_batch_num=mbn)
+    c["parallel_config"].update(pipeline_stage=pp, micro_batch_num=mbn, seq_split_num=seq_split)
     c["parallel"]["pipeline_config"] = {"pipeline_interleave": vpp > 1, "pipeline_scheduler": sched}
     c["model"]["model_config"].update(pp_interleave_num=vpp, offset=offset)
     return c
@@ -35,10 +35,12 @@ LAYOUTS = {  # name -> (pp_config kwargs, options)
     "pp2xtp2_sp_2copies_fine_grain2": (dict(tp=2, sp=True, mbi=2, fine_grain=2, mbn=2), {"ignore_some": True}),
     "pp2xtp2_sp_zero_bubble_v": (dict(tp=2, sp=True, vpp=2, sched="zero_bubble_v"), {}),
     "pp2_vpp2_gpipe_looped_bfs_dp2": (dict(dp=2, vpp=2, sched="gpipe"), {}),
+    # seqvpp runs as interleaved 1F1B (same math) until the sequence-chunked schedule exists
+    "pp2_seqvpp_as_interleaved_dp2": (dict(dp=2, vpp=2, sched="seqvpp", seq_split=2), {}),
 }
 GROUPS = {"a": ["pp2xdp2_zero1_recompute", "pp2xtp2_sp", "pp2_vpp2_interleaved_dp2", "pp2_uneven_offset_gpipe_dp2"],
           "b": ["pp4_gpipe", "pp2_zero_bubble_v_dp2", "pp2xcp2_ring", "pp2xtp2_sp_2copies_fine_grain2"],
-          "c": ["pp2xtp2_sp_zero_bubble_v", "pp2_vpp2_gpipe_looped_bfs_dp2"]}
+          "c": ["pp2xtp2_sp_zero_bubble_v", "pp2_vpp2_gpipe_looped_bfs_dp2", "pp2_seqvpp_as_interleaved_dp2"]}
 
 
 def _adamw(params):
@@ -186,7 +188,7 @@ def test_pipeline_matches_single_process(group, tmp_path):
             assert [res[name]["stage_ids"] for res in results] == [[0, 3], [0, 3], [1, 2], [1, 2]]
         if name == "pp2xtp2_sp_2copies_fine_grain2":  # the copies ran through the interleaved stack in each stage
             assert all(res[name]["interleaved"] == [True] for res in results), [res[name]["interleaved"] for res in results]
-        if name == "pp2_vpp2_interleaved_dp2":
+        if name in ("pp2_vpp2_interleaved_dp2", "pp2_seqvpp_as_interleaved_dp2"):
             assert [res[name]["stage_ids"] for res in results] == [[0, 2], [0, 2], [1, 3], [1, 3]]
     if group == "c":  # the pipeline engine follows the YAML's optimizer and lr schedule like the DeepSpeed engine
         runs = results[0]["yaml_schedule"]

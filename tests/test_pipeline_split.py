@@ -83,9 +83,14 @@ def _yaml(**par):
 
 
 @pytest.mark.parametrize("sched", ["seqpipe", "seqvpp", "seqsmartvpp"])
-def test_initialize_refuses_unsupported_schedulers_before_training(sched):
-    with pytest.raises(msp.ConfigError, match=r"parallel\.pipeline_config\.pipeline_scheduler.*1f1b.*gpipe"):
-        msp.initialize(_model(4), _yaml(pipeline_config={"pipeline_scheduler": sched}))
+def test_initialize_refuses_a_seq_scheduler_breaking_mindformers_rules_before_training(sched):
+    """seq* schedulers run as 1F1B (tests/test_pipeline.py), but a YAML MindFormers refuses for them is refused
+    before any weight moves: full recompute (legacy models), and seqvpp without seq_split_num > 1."""
+    key = "parallel_config.seq_split_num" if sched == "seqvpp" else "recompute_config.recompute"
+    yaml = _yaml(pipeline_config={"pipeline_scheduler": sched})
+    yaml["recompute_config"] = {"recompute": True}
+    with pytest.raises(msp.ConfigError, match=key.replace(".", r"\.")):
+        msp.initialize(_model(4), yaml)
 
 
 def test_initialize_refuses_bad_offsets_before_training():

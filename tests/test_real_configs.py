@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import msparallel_ds as msp
+from msparallel_ds.config import ConfigWarning
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "mindformers-configs"
 FILES = sorted(SHARED.glob("*.yaml")) if SHARED.is_dir() else []
@@ -82,10 +83,11 @@ def test_pipeline_interleave_and_hpz_note():
 
 
 @needs_shared
-def test_unsupported_schedulers_are_rejected_by_key():
-    with pytest.raises(msp.ConfigError) as ei:
-        plan("qwen2_5__finetune_qwen2.5_72B_32K.yaml")
-    assert "parallel.pipeline_config.pipeline_scheduler" in ei.value.keys
+def test_seq_schedulers_plan_as_1f1b_with_a_warning():
+    with pytest.warns(ConfigWarning, match="pipeline_scheduler=seqpipe: the sequence-chunked pipeline"):
+        msp.load_config(SHARED / "qwen2_5__finetune_qwen2.5_72B_32K.yaml")  # seqpipe, seq_split_num 8
+    assert plan("qwen2_5__finetune_qwen2.5_72B_32K.yaml").pp_schedule == "1f1b"
+    assert plan("telechat3__finetune_telechat3_36b.yaml").pp_schedule == "interleaved_1f1b"  # seqpipe, vpp 2
 
 
 @needs_shared

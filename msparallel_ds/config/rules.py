@@ -6,7 +6,7 @@ import warnings
 from typing import Any
 
 from .errors import ConfigIssue, ConfigWarning
-from .schema import SUPPORTED_PP_SCHEDULERS, ParallelConfig
+from .schema import SEQ_PP_SCHEDULERS, SUPPORTED_PP_SCHEDULERS, ParallelConfig
 
 PC = "parallel_config"
 MAX_PIPELINE_CHUNKS = 1 << 16  # far beyond any real model; keeps the per-chunk tables small
@@ -147,7 +147,9 @@ def _pipeline_rules(cfg: ParallelConfig):
         yield ConfigIssue(f"{MC}.num_layers", cfg.model.num_layers,
                           f"must be >= pipeline_stage x pp_interleave_num = {cfg.pp * vpp} (one layer per stage)",
                           "lower pipeline_stage or pp_interleave_num")
-    if sched not in SUPPORTED_PP_SCHEDULERS:
+    if sched in SEQ_PP_SCHEDULERS:
+        yield from _seq_pipeline_rules(cfg, sched, vpp)
+    elif sched not in SUPPORTED_PP_SCHEDULERS:
         yield ConfigIssue(k("parallel.pipeline_config.pipeline_scheduler"), sched,
                           f"is not supported by msparallel_ds (supported: {', '.join(SUPPORTED_PP_SCHEDULERS)})",
                           "use 1f1b (interleaved when pp_interleave_num > 1), gpipe or zero_bubble_v")
@@ -160,6 +162,30 @@ def _pipeline_rules(cfg: ParallelConfig):
               "(MindFormers accumulates over micro_batch_num)")
     if pc.vocab_emb_dp and cfg.tp > 1:
         _warn(f"{PC}.vocab_emb_dp=true is forced to false when pipeline_stage > 1 (as MindFormers does)")
+
+
+def _seq_pipeline_rules(cfg: ParallelConfig, sched: str, vpp: int):
+    """seqpipe / seqvpp / seqsmartvpp (sequence-chunked pipelines) run as their nearest schedule, same math, with
+    MindFormers' own constraints (mindformers 2.1.0): tools/check_rules.py:217-227 seqvpp needs seq_split_num > 1;
+    the legacy models forbid full recompute (trainer/base_trainer.py:517-528) and ring attention
+    (models/llama/llama.py:113-129); mcore (use_legacy: false) rejects seq_split_num > 1 (base_trainer.py:551-558)."""
+    key, n = "parallel.pipeline_config.pipeline_scheduler", cfg.parallel_config.seq_split_num
+    if sched == "seqvpp" and n <= 1:
+        yield ConfigIssue(f"{PC}.seq_split_num", n, f"must be > 1 with {key}=seqvpp (the sequence is cut into "
+                          "seq_split_num chunks)", "set seq_split_num: 2 or more, or pipeline_scheduler: 1f1b")
+    if not cfg.use_legacy and n > 1:
+        yield ConfigIssue(f"{PC}.seq_split_num", n, "must be 1 for mcore models (use_legacy: false) with "
+                          "pipeline_stage > 1", "set seq_split_num: 1, or use_legacy: true")
+    if cfg.use_legacy and cfg.recompute_config.recompute is True:
+        yield ConfigIssue("recompute_config.recompute", True, f"full recompute is not allowed with {key}={sched}",
+                          "recompute selected layers or operators (a per-stage list, select_recompute), or use 1f1b")
+    if cfg.use_legacy and cfg.model.use_ring_attention:
+        yield ConfigIssue(f"{MC}.use_ring_attention", True, f"is not allowed with {key}={sched}",
+                          "set use_ring_attention: false, or pipeline_scheduler: 1f1b")
+    runs = "interleaved 1F1B" if vpp > 1 else "1F1B"
+    _warn(f"{key}={sched}: the sequence-chunked pipeline (seq_split_num={n}) is not built yet; this runs {runs} with "
+          f"the same math, holding whole sequences per micro-batch (about {n}x the activation memory of one "
+          "sequence chunk in flight)")
 
 
 def _offset_shape(offset: Any) -> tuple[int, ...]:

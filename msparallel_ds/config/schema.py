@@ -25,6 +25,7 @@ Pattern = Annotated[StrictStr, Field(max_length=1000)]
 CP_ALGOS = ("colossalai_cp", "ulysses_cp", "hybrid_cp")
 PP_SCHEDULERS = ("gpipe", "1f1b", "seqpipe", "seqvpp", "seqsmartvpp", "zero_bubble_v")
 SUPPORTED_PP_SCHEDULERS = ("1f1b", "gpipe", "zero_bubble_v")
+SEQ_PP_SCHEDULERS = ("seqpipe", "seqvpp", "seqsmartvpp")  # run as (interleaved) 1F1B: config.rules
 PARALLEL_MODES = ("data_parallel", "semi_auto_parallel", "auto_parallel", "hybrid_parallel", "stand_alone")
 DTYPES = ("float32", "float16", "bfloat16")
 
