@@ -57,6 +57,7 @@ class ZeroPlan:
     stage: int
     group_size: int  # ranks the optimizer state is sharded over (dp x cp)
     hpz_partition_size: Optional[int] = None  # optimizer_weight_shard_size, when it is a real sub-group
+    offload_optimizer: bool = False  # optimizer.swap: Adam state and the update on the host (DeepSpeed offload)
     reduce_bucket_size: int = 500_000_000
     param_persistence_threshold: Optional[int] = None  # elements; from parallel_optimizer_threshold (KB)
     overlap_comm: bool = True
@@ -286,8 +287,13 @@ def _zero(cfg: ParallelConfig, mesh: Mesh, notes: list[str]) -> ZeroPlan:
     threshold = None
     if stage == 3:
         threshold = poc.parallel_optimizer_threshold * 1024 // (4 if cfg.model.param_init_type == "float32" else 2)
+    swap = cfg.optimizer is not None and cfg.optimizer.swap
+    if swap and stage == 0:
+        stage = 1  # DeepSpeed offloads the optimizer of its ZeRO engines only
+        notes.append("optimizer.swap without parallel.enable_parallel_optimizer: ZeRO-1 over data_parallel x "
+                     f"context_parallel = {group} carries the host (CPU) offload of the optimizer state")
     return ZeroPlan(stage=stage, group_size=group, hpz_partition_size=hpz, reduce_bucket_size=bucket,
-                    param_persistence_threshold=threshold, overlap_comm=stage > 0)
+                    param_persistence_threshold=threshold, overlap_comm=stage > 0, offload_optimizer=swap)
 
 
 def _params_per_rank(cfg: ParallelConfig, mesh: Mesh) -> Optional[int]:

@@ -5,7 +5,7 @@ VOCAB, SEQ, LR, BETAS, EPS = 256, 32, 1e-3, (0.9, 0.95), 1e-8
 
 
 def tiny_config(*, dp=1, tp=1, cp=1, algo="colossalai_cp", ring=False, uly=1, sp=False, vocab_dp=True, zero=1,
-                recompute=False, select=None, bs=1, gas=1, clip=1.0):
+                recompute=False, select=None, bs=1, gas=1, clip=1.0, swap=False):
     """A MindFormers-style YAML (as a dict) for the tiny Llama below."""
     par = {"data_parallel": dp, "model_parallel": tp, "context_parallel": cp, "pipeline_stage": 1,
            "use_seq_parallel": sp, "vocab_emb_dp": vocab_dp, "micro_batch_num": 1}
@@ -23,7 +23,8 @@ def tiny_config(*, dp=1, tp=1, cp=1, algo="colossalai_cp", ring=False, uly=1, sp
         "recompute_config": recompute_config,
         "runner_config": {"batch_size": bs, "gradient_accumulation_steps": gas},
         "runner_wrapper": {"use_clip_grad": clip > 0, **({"max_grad_norm": clip} if clip else {})},
-        "optimizer": {"type": "AdamW", "betas": list(BETAS), "eps": EPS, "weight_decay": 0.0, "learning_rate": LR},
+        "optimizer": {"type": "AdamW", "betas": list(BETAS), "eps": EPS, "weight_decay": 0.0, "learning_rate": LR,
+                      **({"swap": True} if swap else {})},
         "model": {"model_config": {"num_layers": 4, "num_heads": 4, "n_kv_heads": 2, "hidden_size": 64,
                                    "seq_length": SEQ, "vocab_size": VOCAB, "use_ring_attention": ring,
                                    "compute_dtype": "float32", "param_init_type": "float32"}},

@@ -325,3 +325,21 @@ def test_cli_accelerate_file_loads(tmp_path, capsys, monkeypatch, clean_accelera
     with warnings.catch_warnings():
         assert cli_main(["export", str(src), "--to", "deepspeed", "-o", str(ds_out)]) == 0
     assert json.loads(ds_out.read_text()) == plan.to_deepspeed()
+
+
+def test_optimizer_swap_offloads_the_optimizer_state():
+    """MindFormers' optimizer.swap (Adam state on the host) -> DeepSpeed offload_optimizer, with the torch optimizer
+    run on the host (not DeepSpeed's CPU Adam); without a parallel optimizer ZeRO-1 carries it."""
+    import msparallel_ds as msp
+
+    base = {"parallel_config": {"data_parallel": 2}, "optimizer": {"type": "AdamW", "swap": True},
+            "parallel": {"enable_parallel_optimizer": True, "parallel_optimizer_config": {"optimizer_level": "level2"}}}
+    plan = msp.make_plan(msp.load_config(base))
+    ds = plan.to_deepspeed()
+    assert ds["zero_optimization"]["stage"] == 2 and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["zero_force_ds_cpu_optimizer"] is False
+    assert plan.to_accelerate()["deepspeed_config"]["offload_optimizer_device"] == "cpu"
+    plain = msp.make_plan(msp.load_config({**base, "parallel": {}}))
+    assert plain.zero.stage == 1 and plain.zero.offload_optimizer and any("optimizer.swap" in n for n in plain.notes)
+    off = msp.make_plan(msp.load_config({**base, "optimizer": {"type": "AdamW"}})).to_deepspeed()
+    assert "offload_optimizer" not in off["zero_optimization"] and "zero_force_ds_cpu_optimizer" not in off

@@ -126,6 +126,7 @@ class RunnerWrapper(_Section):
 
 class OptimizerConfig(_Section):
     type: Pattern = "AdamW"
+    swap: StrictBool = False  # MindFormers' optimizer state on the host (core/optim/adamw.py) -> DeepSpeed offload
     learning_rate: Optional[Number] = None
     betas: Optional[tuple[Number, Number]] = None
     eps: Optional[Number] = None

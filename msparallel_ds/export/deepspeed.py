@@ -33,6 +33,8 @@ def to_deepspeed(plan: "Plan", *, with_mpu: bool = True, include_optimizer: bool
     ds["zero_optimization"] = _zero(plan)
     # We pass torch optimizers on CPU (no JIT build) and ZeRO must accept them.
     ds["zero_allow_untested_optimizer"] = True
+    if plan.zero.offload_optimizer:  # ... and, offloaded, run them on the host instead of DeepSpeed's CPU Adam
+        ds["zero_force_ds_cpu_optimizer"] = False
     ds.update(_precision(plan))
     # DeepSpeed 0.19 clips at 1.0 unless told otherwise; MindFormers clips only with use_clip_grad.
     ds["gradient_clipping"] = plan.gradient_clipping or 0.0
@@ -55,6 +57,8 @@ def _zero(plan: "Plan") -> dict[str, Any]:
                            "reduce_bucket_size": z.reduce_bucket_size}
     if z.stage in (1, 2):
         out.update(reduce_scatter=True, allgather_bucket_size=z.reduce_bucket_size)
+    if z.offload_optimizer:  # MindFormers optimizer.swap; with a torch optimizer (not DeepSpeedCPUAdam) on the host
+        out["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if z.stage == 3:
         if z.param_persistence_threshold is not None:
             out["stage3_param_persistence_threshold"] = z.param_persistence_threshold

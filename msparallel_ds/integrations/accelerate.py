@@ -104,7 +104,8 @@ def _deepspeed_plugin(ds_config: dict):
         return DeepSpeedPlugin(hf_ds_config=ds_config, zero_stage=stage, zero3_init_flag=False,
                                gradient_accumulation_steps=ds_config.get("gradient_accumulation_steps", 1),
                                gradient_clipping=ds_config.get("gradient_clipping", 0.0),
-                               offload_optimizer_device="none", offload_param_device="none")
+                               offload_optimizer_device="cpu" if "offload_optimizer" in ds_config.get(
+                                   "zero_optimization", {}) else "none", offload_param_device="none")
     finally:
         if saved is not None:
             os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = saved

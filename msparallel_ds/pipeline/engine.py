@@ -71,6 +71,10 @@ def _build_optimizer(params: list, optimizer, plan, layout: ParallelLayout) -> t
         warnings.warn(f"parallel.parallel_optimizer_config.optimizer_level=level{zero} with pipeline_stage > 1 runs "
                       "as level1 (ZeRO-1: optimizer state sharded over data_parallel x context_parallel inside each "
                       "stage; gradients and weights stay whole)", stacklevel=3)
+    if plan.zero.offload_optimizer:
+        warnings.warn("optimizer.swap with pipeline_stage > 1: the pipeline engine keeps the optimizer state on the "
+                      "device (DeepSpeed's offload lives inside its own engine); set pipeline_stage: 1 to offload",
+                      stacklevel=3)
     if zero and layout.size("dp_cp") > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
