@@ -1,11 +1,12 @@
-"""The YAML's `optimizer:` and `lr_schedule:` sections as plan entries (pure dicts; DeepSpeed / torch names)."""
+"""The YAML's `optimizer:`, `lr_schedule:` and `swap_config:` sections as plan entries (pure; DeepSpeed and torch
+names)."""
 from __future__ import annotations
 
 from typing import Any, Optional
 
 from .config.schema import ParallelConfig
 
-__all__ = ["lr_schedule_entry", "optimizer_entry"]
+__all__ = ["activation_offload_entry", "lr_schedule_entry", "optimizer_entry"]
 
 _ADAMW = {"adamw", "fusedadamweightdecay", "adamweightdecay", "adamweightdecayx", "fp32adamweightdecay",
           "pmaadamw", "adam"}
@@ -34,3 +35,21 @@ def lr_schedule_entry(cfg: ParallelConfig) -> Optional[dict[str, Any]]:
         warmup = int(s.warmup_ratio * total)
     return {"type": s.type, "learning_rate": s.learning_rate, "lr_end": s.lr_end, "warmup_steps": warmup,
             "warmup_ratio": s.warmup_ratio, "total_steps": total}
+
+
+def activation_offload_entry(cfg: ParallelConfig, notes: list[str]) -> Any:
+    """swap_config (or mcore cpu_offloading): "all", or the sorted decoder layer indices whose activations go to the
+    host; None when off. Per-operator op_swap is not built (noted); prefetch distances do not apply to torch's
+    save_on_cpu, which brings each tensor back when backward needs it."""
+    sc = cfg.swap_config
+    if not sc.swap:
+        return None
+    if sc.op_swap:
+        notes.append("swap_config.op_swap (per-operator activation swap) is not built; the layer_swap layers are")
+    layers: set[int] = set()
+    for entry in sc.layer_swap or ():
+        if entry.layers is True:
+            return "all"
+        if entry.layers is not False:
+            layers.update(entry.layers)
+    return tuple(sorted(layers)) or None

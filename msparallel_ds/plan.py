@@ -15,7 +15,7 @@ from .config.errors import ConfigError, ConfigIssue
 from .config.rules import layers_per_stage, ulysses_degree, virtual_stages
 from .config.schema import ParallelConfig
 from .memory import MemoryEstimate, estimate_memory
-from .optim_plan import lr_schedule_entry, optimizer_entry
+from .optim_plan import activation_offload_entry, lr_schedule_entry, optimizer_entry
 
 DEFAULT_SELECT = [r"feed_forward\.mul", r"feed_forward\.w1\.activation\.silu"]  # MindFormers' defaults
 DEFAULT_SELECT_COMM = [r".*\.norm"]
@@ -112,6 +112,8 @@ class Plan:
     lr_schedule: Optional[dict[str, Any]]
     memory: Optional[MemoryEstimate]
     notes: tuple[str, ...] = ()
+    activation_offload: Any = None  # swap_config / cpu_offloading: "all" or the decoder layers whose activations
+                                    # are kept on the host between forward and backward
 
     @property
     def zero_stage(self) -> int:
@@ -144,6 +146,8 @@ class Plan:
             "optimizer": self.optimizer,
             "lr_schedule": self.lr_schedule,
             "memory": self.memory.as_dict() if self.memory else None,
+            "activation_offload": list(self.activation_offload) if isinstance(self.activation_offload, tuple)
+            else self.activation_offload,
             "notes": list(self.notes),
         }
 
@@ -203,6 +207,7 @@ def make_plan(cfg: ParallelConfig | Any, world_size: Optional[int] = None) -> Pl
         param_dtype=DTYPE_SHORT[cfg.model.param_init_type], loss_scale=_loss_scale(cfg, notes),
         gradient_clipping=cfg.runner_wrapper.max_grad_norm if cfg.runner_wrapper.use_clip_grad else None,
         optimizer=optimizer_entry(cfg), lr_schedule=lr_schedule_entry(cfg), memory=None, notes=(),
+        activation_offload=activation_offload_entry(cfg, notes),
     )
     if cfg.ep > 1:
         notes.append(f"expert_parallel={cfg.ep} is recorded; MoE expert sharding is not built by msparallel_ds yet")

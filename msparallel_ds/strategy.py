@@ -4,7 +4,8 @@ A part is a whole HF causal LM (msp.parallelize, the DeepSpeed engine, accelerat
 stage/chunk cut from it first (the pipeline engine calls this once per chunk). The order:
 1. tensor / sequence / vocab parallel (replaces Linear / Embedding modules by the adapter's TP plan);
 2. context-parallel attention (an attention-function switch, no module change);
-3. recompute (wraps the forwards of the final modules; per pipeline stage and chunk);
+3. recompute (wraps the forwards of the final modules; per pipeline stage and chunk), then activation offload of
+   the swap_config layers (wraps their forwards too);
 4. multi-copy / fine-grain interleave (the part's decoder layers run through the interleave runner).
 It returns `Applied`, a small record of what was done (the shard spec among it), which the engine holds.
 
@@ -48,6 +49,7 @@ class Options:
     cp_algo: Optional[str] = None
     cp_backend: Optional[str] = None
     recompute: Any = None              # a Plan.recompute
+    activation_offload: Any = None     # a Plan.activation_offload: "all" or global layer indices
     interleave: Interleave = field(default_factory=Interleave)
 
     @classmethod
@@ -55,7 +57,7 @@ class Options:
         get = lambda name, default: getattr(plan, name, default)  # noqa: E731 - a bare plan stand-in is fine
         return cls(sequence_parallel=bool(get("sequence_parallel", False)),
                    vocab_parallel=bool(get("vocab_parallel", False)), cp_algo=get("cp_algo", None),
-                   recompute=get("recompute", None),
+                   recompute=get("recompute", None), activation_offload=get("activation_offload", None),
                    interleave=Interleave(get("micro_batch_interleave_num", 1), get("fine_grain_interleave", 1)))
 
 
@@ -74,6 +76,7 @@ class Applied:
     cp_algo: Optional[str]
     recompute: dict[str, list[str]]
     interleave: Optional[Interleave]
+    offloaded: tuple[str, ...] = ()  # decoder layers whose activations are kept on the host (swap_config)
 
     def output_head(self, part: nn.Module) -> Optional[nn.Module]:
         """The part's output head (vocab-parallel under vocab_emb_dp: false), for the engines' loss."""
@@ -96,20 +99,22 @@ def combine(records: list[Applied]) -> Applied:
     first = records[0]
     spec = ShardSpec({n: s for r in records for n, s in r.spec.items()})
     recompute = {k: v for r in records for k, v in r.recompute.items()}
-    return dataclasses.replace(first, spec=spec, recompute=recompute)
+    offloaded = tuple(i for r in records for i in r.offloaded)
+    return dataclasses.replace(first, spec=spec, recompute=recompute, offloaded=offloaded)
 
 
 def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, *, stage: int = 0,
                      chunk: int = 0) -> Applied:
     """Apply `options` to `part` in place (see the module docstring) and return what was applied. `stage` and
     `chunk`: the part's pipeline stage and virtual chunk (recompute lists are per stage and chunk)."""
+    from .offload import offload_activations
     from .recompute import apply_recompute
     from .tensor_parallel.apply import apply_tp
 
     tp, inter = layout.size("tp"), options.interleave
     recompute_on = options.recompute is not None and options.recompute.mode != "none"
     interleave_on = inter.copies > 1 or inter.fine_grain > 1 or inter.copy_loss != "mean"
-    adapter = _adapter(part, needed=tp > 1 or recompute_on or interleave_on)
+    adapter = _adapter(part, needed=tp > 1 or recompute_on or interleave_on or bool(options.activation_offload))
     names = [n for n, _ in part.named_parameters(remove_duplicate=False)]
     plan: dict[str, str] = {}
     if tp > 1:
@@ -125,6 +130,7 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
         use_cp_attention(part, layout, algo=options.cp_algo, backend=options.cp_backend)
         cp_algo = resolve_algo(layout, options.cp_algo)
     recompute = apply_recompute(part, options.recompute, stage=stage, chunk=chunk) if recompute_on else {}
+    offloaded = tuple(offload_activations(part, options.activation_offload))
     interleave = None
     if interleave_on:
         from .interleave.multi_copy import install
@@ -134,7 +140,7 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
     return Applied(layout=layout, adapter=adapter, tp_plan=plan, spec=spec,
                    sequence_parallel=bool(options.sequence_parallel and tp > 1),
                    vocab_parallel=bool(options.vocab_parallel and tp > 1), cp_algo=cp_algo, recompute=recompute,
-                   interleave=interleave)
+                   interleave=interleave, offloaded=offloaded)
 
 
 # models parallelized by msp.parallelize -> their record, for msp.initialize / accelerate / the Trainer

@@ -5,7 +5,7 @@ VOCAB, SEQ, LR, BETAS, EPS = 256, 32, 1e-3, (0.9, 0.95), 1e-8
 
 
 def tiny_config(*, dp=1, tp=1, cp=1, algo="colossalai_cp", ring=False, uly=1, sp=False, vocab_dp=True, zero=1,
-                recompute=False, select=None, bs=1, gas=1, clip=1.0, swap=False):
+                recompute=False, select=None, bs=1, gas=1, clip=1.0, swap=False, offload=None):
     """A MindFormers-style YAML (as a dict) for the tiny Llama below."""
     par = {"data_parallel": dp, "model_parallel": tp, "context_parallel": cp, "pipeline_stage": 1,
            "use_seq_parallel": sp, "vocab_emb_dp": vocab_dp, "micro_batch_num": 1}
@@ -21,6 +21,8 @@ def tiny_config(*, dp=1, tp=1, cp=1, algo="colossalai_cp", ring=False, uly=1, sp
         "parallel": {"enable_parallel_optimizer": zero > 0,
                      "parallel_optimizer_config": {"optimizer_level": f"level{max(zero, 1)}"}},
         "recompute_config": recompute_config,
+        **({"swap_config": {"swap": True, "layer_swap": [{"layers": offload, "backward_prefetch": 1}]}}
+           if offload is not None else {}),
         "runner_config": {"batch_size": bs, "gradient_accumulation_steps": gas},
         "runner_wrapper": {"use_clip_grad": clip > 0, **({"max_grad_norm": clip} if clip else {})},
         "optimizer": {"type": "AdamW", "betas": list(BETAS), "eps": EPS, "weight_decay": 0.0, "learning_rate": LR,

@@ -22,6 +22,7 @@ LAYOUTS = {  # name -> (tiny_config kwargs, options)
     "cp4_hybrid_u2": (dict(cp=4, algo="hybrid_cp", uly=2, bs=2), {"ignore_some": True}),
     "dp4_zero3": (dict(dp=4, zero=3), {}),
     "dp2xtp2_zero2_optimizer_swap": (dict(dp=2, tp=2, zero=2, swap=True), {}),  # optimizer.swap: host offload
+    "dp2xtp2_sp_activation_swap": (dict(dp=2, tp=2, sp=True, offload=[0, 2]), {}),  # swap_config layer_swap
     "dp2xtp2_sp_recompute_all": (dict(dp=2, tp=2, sp=True, recompute=True), {"yaml_optimizer": True}),
     "dp2xtp2_select_recompute": (dict(dp=2, tp=2, sp=True, recompute=[2],
                                       select={r"feed_forward\.mul": [3]}), {}),
@@ -100,6 +101,7 @@ def _train(rank, world_size, name, save_dir=None):
         "zero": engine.ds.zero_optimization_stage(),
         "train_engine": isinstance(engine, TrainEngine),
         "offload": engine.ds.zero_cpu_offload(),
+        "activation_offload": engine.applied.offloaded,
         "sp_norm_grad_hooked": (all(getattr(p, "tp_grad_allreduce", False)
                                     for n, p in model.named_parameters() if "layernorm" in n)
                                 if yaml.get("sp") else None),
@@ -114,6 +116,7 @@ def test_engine_matches_single_process(name, tmp_path):
         assert r["same_keys"], (rank, r)
         assert r["train_engine"], rank  # the surface both engines share (msparallel_ds.protocol)
         assert r["offload"] == yaml.get("swap", False), (rank, r["offload"])  # optimizer.swap -> DeepSpeed offload
+        assert r["activation_offload"] == tuple(str(i) for i in yaml.get("offload") or ()), rank
         assert "runner_config.batch_size" in r["bad_batch"], r["bad_batch"]
         assert r["loss_rel"] <= 1e-4, (name, rank, r)
         assert r["weights"] <= 5e-5, (name, rank, r)  # Adam moved them by r["moved"] (~3e-3)

@@ -174,3 +174,23 @@ def test_plan_json_keys():
               "sequence_parallel", "vocab_parallel", "pp_schedule", "pp_virtual_stages", "recompute", "memory"):
         assert k in d
     assert set(d["mesh"]) == {"pp", "dp", "cp", "cp_ring", "cp_ulysses", "tp"}
+
+
+def test_activation_swap_from_swap_config_and_mcore_cpu_offloading():
+    """swap_config.layer_swap (MindFormers tools/check_rules.py _check_swap) and mcore's cpu_offloading +
+    cpu_offloading_num_layers (layer_swap's format) give the layers whose activations stay on the host."""
+    import msparallel_ds as msp
+
+    def plan(d):
+        return msp.make_plan(msp.load_config(d))
+
+    swap = {"swap": True, "layer_swap": [{"layers": [2, 0], "backward_prefetch": 1}, {"layers": [2]}]}
+    assert plan({"swap_config": swap}).activation_offload == (0, 2)
+    assert plan({"swap_config": {**swap, "layer_swap": [{"layers": True}]}}).as_dict()["activation_offload"] == "all"
+    assert plan({"swap_config": {**swap, "swap": False}}).activation_offload is None
+    mcore = {"model": {"model_config": {"cpu_offloading": True, "cpu_offloading_num_layers": [{"layers": [1]}]}}}
+    assert plan(mcore).as_dict()["activation_offload"] == [1]
+    with_ops = plan({"swap_config": {**swap, "op_swap": {"attention": []}}})
+    assert any("op_swap" in n for n in with_ops.notes)
+    with pytest.raises(msp.ConfigError, match="swap_config.default_prefetch"):
+        msp.load_config({"swap_config": {"swap": True, "default_prefetch": 0}})

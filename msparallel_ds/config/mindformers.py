@@ -160,6 +160,7 @@ def _normalize(raw: Mapping, issues: list[ConfigIssue], spelled: dict[str, str])
     elif not recompute and isinstance(nested_recompute, (bool, list)):
         recompute = {"recompute": nested_recompute}
     out["recompute_config"] = recompute
+    out["swap_config"] = _swap_config(raw, issues)
     out["runner_config"] = _section(raw, "runner_config", issues)
     out["runner_wrapper"] = _runner_wrapper(_section(raw, "runner_wrapper", issues), issues)
     for key in ("optimizer", "lr_schedule"):
@@ -171,6 +172,19 @@ def _normalize(raw: Mapping, issues: list[ConfigIssue], spelled: dict[str, str])
         _apply_parallelism(_section(raw, "parallelism", issues), out, issues)
     _apply_mode_resets(out, issues)
     return out
+
+
+def _swap_config(raw: Mapping, issues: list[ConfigIssue]) -> dict:
+    """`swap_config:`, or mcore's model_config.cpu_offloading (+ cpu_offloading_num_layers in layer_swap's format,
+    transformer_config_utils.py), which feed the same swap of layer activations to the host."""
+    swap = _section(raw, "swap_config", issues)
+    model = raw.get("model")
+    mc = model.get("model_config") if isinstance(model, Mapping) else None
+    if not swap and isinstance(mc, Mapping) and mc.get("cpu_offloading") is not None:
+        swap = {"swap": mc["cpu_offloading"]}
+        if mc.get("cpu_offloading_num_layers") is not None:
+            swap["layer_swap"] = mc["cpu_offloading_num_layers"]
+    return swap
 
 
 def _runner_wrapper(rw: dict, issues: list[ConfigIssue]) -> dict:

@@ -89,6 +89,23 @@ RecomputeValue = Union[StrictBool, list[StrictInt], list[list[StrictInt]], list[
                        dict[Pattern, Union[StrictBool, list[StrictInt], list[list[StrictInt]]]]]
 
 
+class LayerSwap(_Section):
+    """One `swap_config.layer_swap` entry: these decoder layers keep their activations on the host."""
+
+    layers: Union[StrictBool, list[NonNegCount]] = True
+    backward_prefetch: Count = 1
+
+
+class SwapConfig(_Section):
+    """`swap_config:` (MindFormers' activation swap; tools/check_rules.py _check_swap): swap on, the layers whose
+    activations go to the host, per-operator swap, prefetch distance."""
+
+    swap: StrictBool = False
+    default_prefetch: Count = 1
+    layer_swap: Optional[list[LayerSwap]] = None
+    op_swap: Optional[dict[str, Any]] = None
+
+
 class RecomputeConfig(_Section):
     """`recompute_config:`: bool, a per-stage layer count list, or submodule patterns (optionally per stage)."""
 
@@ -188,6 +205,7 @@ class ParallelConfig(_Section):
     use_parallel: StrictBool = True
     use_legacy: StrictBool = True  # False: MindFormers 2.x mcore models (their pipeline offsets exclude MTP layers)
     recompute_config: RecomputeConfig = RecomputeConfig()
+    swap_config: SwapConfig = SwapConfig()
     runner_config: RunnerConfig = RunnerConfig()
     runner_wrapper: RunnerWrapper = RunnerWrapper()
     optimizer: Optional[OptimizerConfig] = None

@@ -22,9 +22,9 @@ rank's chunk j: q/k/v are permuted back to sequence order before attention and t
 to chunk order after it (a copy each; RoPE, masks and cp attention see the true order).
 
 Layers that cannot be decomposed run whole as one step (HF forward, blocking collectives): tp = 1 (no tp
-collective to overlap), a recomputed layer or submodule (checkpointing wraps the module's forward), or a layer
-whose family adapter gives no LayerParts (msparallel_ds.models: the adapter says which modules are the norms,
-projections and MLP, and runs the attention between the projections).
+collective to overlap), a recomputed or activation-offloaded layer or submodule (both wrap the module's forward),
+or a layer whose family adapter gives no LayerParts (msparallel_ds.models: the adapter says which modules are the
+norms, projections and MLP, and runs the attention between the projections).
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def decomposable(layer: nn.Module, parts: Optional[LayerParts]) -> bool:
         return False
     if not (isinstance(parts.attn_out, RowParallelLinear) and isinstance(parts.ffn_out, RowParallelLinear)):
         return False  # tp = 1: nothing to overlap
-    return not any(getattr(m, "_msp_recompute", False) for m in layer.modules())
+    return not any(getattr(m, "_msp_recompute", False) or getattr(m, "_msp_offload", False) for m in layer.modules())
 
 
 def _col_weights(module: nn.Module) -> tuple[Tensor, Optional[Tensor]]:

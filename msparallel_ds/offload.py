@@ -1,0 +1,49 @@
+"""Activation offload (MindFormers swap_config / mcore cpu_offloading): the listed decoder layers keep the tensors
+their forward saves for backward on the host, and backward brings each back when it needs it.
+
+torch.autograd.graph.save_on_cpu does the moving (pinned host memory on an accelerator); on CPU it is a plain copy,
+so the path still runs. Like recompute it wraps the layer's forward, so parameter names and checkpoints are
+unchanged; the fine-grain interleave runs such layers whole.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["offload_activations", "offload_module"]
+
+
+def offload_module(module: nn.Module) -> nn.Module:
+    """Keep `module`'s saved activations on the host during training (idempotent)."""
+    if getattr(module, "_msp_offload", False):
+        return module
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        if not module.training:
+            return inner(*args, **kwargs)
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            return inner(*args, **kwargs)
+
+    module.forward = forward
+    module._msp_offload = True
+    return module
+
+
+def offload_activations(part: nn.Module, which: Any) -> list[str]:
+    """Offload the decoder layers of `part` named by a Plan.activation_offload ("all" or global layer indices);
+    returns the global indices done."""
+    if not which:
+        return []
+    from .models import adapter_for
+
+    done = []
+    for index, layer in adapter_for(part).layer_items(part):
+        if which == "all" or index in which:
+            offload_module(layer)
+            done.append(str(index))
+    return done
