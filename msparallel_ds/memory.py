@@ -101,3 +101,18 @@ def estimate_memory(plan: "Plan") -> Optional[MemoryEstimate]:
                           optimizer_gib=optim / GIB, activations_gib=act / GIB,
                           activations_no_recompute_gib=no_recompute / GIB, logits_gib=logits / GIB,
                           total_gib=total / GIB)
+
+
+_SHAPE_KEYS = ("num_layers", "num_heads", "hidden_size", "vocab_size", "seq_length")
+
+
+def missing_shape_note(cfg) -> Optional[str]:
+    """Why the plan has no memory estimate (or layer split): the model_config keys it lacks, and where the YAML
+    says the shape lives when it points at a model directory that `plan` does not read."""
+    missing = [k for k in _SHAPE_KEYS if getattr(cfg.model, k) is None]
+    if not missing:
+        return None
+    where = (f"; the YAML takes the model from pretrained_model_dir={cfg.pretrained_model_dir!r}, which the plan "
+             "does not read" if cfg.pretrained_model_dir else "")
+    return (f"no memory estimate or layer split: model.model_config lacks {', '.join(missing)}{where}; add them to "
+            "model.model_config to get both")

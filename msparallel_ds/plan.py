@@ -14,7 +14,7 @@ from typing import Any, Optional
 from .config.errors import ConfigError, ConfigIssue
 from .config.rules import layers_per_stage, ulysses_degree, virtual_stages
 from .config.schema import ParallelConfig
-from .memory import MemoryEstimate, estimate_memory
+from .memory import MemoryEstimate, estimate_memory, missing_shape_note
 from .optim_plan import activation_offload_entry, lr_schedule_entry, optimizer_entry
 
 DEFAULT_SELECT = [r"feed_forward\.mul", r"feed_forward\.w1\.activation\.silu"]  # MindFormers' defaults
@@ -58,6 +58,7 @@ class ZeroPlan:
     group_size: int  # ranks the optimizer state is sharded over (dp x cp)
     hpz_partition_size: Optional[int] = None  # optimizer_weight_shard_size, when it is a real sub-group
     offload_optimizer: bool = False  # optimizer.swap: Adam state and the update on the host (DeepSpeed offload)
+    offload_param: bool = False  # parallelism.cpu_offload: ZeRO-3 parameter partitions on the host
     reduce_bucket_size: int = 500_000_000
     param_persistence_threshold: Optional[int] = None  # elements; from parallel_optimizer_threshold (KB)
     overlap_comm: bool = True
@@ -213,7 +214,10 @@ def make_plan(cfg: ParallelConfig | Any, world_size: Optional[int] = None) -> Pl
         notes.append(f"expert_parallel={cfg.ep} is recorded; MoE expert sharding is not built by msparallel_ds yet")
     if cfg.parallel.parallel_mode in ("auto_parallel", "hybrid_parallel"):
         notes.append(f"parallel_mode={cfg.parallel.parallel_mode}: the parallel_config degrees are used as given")
-    return replace(plan, memory=estimate_memory(plan), notes=tuple(notes))
+    memory = estimate_memory(plan)
+    if memory is None and missing_shape_note(cfg):
+        notes.append(missing_shape_note(cfg))
+    return replace(plan, memory=memory, notes=tuple(notes))
 
 
 def _mesh(cfg: ParallelConfig, world_size: Optional[int], notes: list[str]) -> Mesh:
@@ -297,8 +301,13 @@ def _zero(cfg: ParallelConfig, mesh: Mesh, notes: list[str]) -> ZeroPlan:
         stage = 1  # DeepSpeed offloads the optimizer of its ZeRO engines only
         notes.append("optimizer.swap without parallel.enable_parallel_optimizer: ZeRO-1 over data_parallel x "
                      f"context_parallel = {group} carries the host (CPU) offload of the optimizer state")
+    offload_param = cfg.parallelism is not None and cfg.parallelism.cpu_offload
+    if offload_param and stage != 3:
+        offload_param = False
+        notes.append("parallelism.cpu_offload offloads sharded parameters (data_parallel_shard > 1, ZeRO-3); ignored")
     return ZeroPlan(stage=stage, group_size=group, hpz_partition_size=hpz, reduce_bucket_size=bucket,
-                    param_persistence_threshold=threshold, overlap_comm=stage > 0, offload_optimizer=swap)
+                    param_persistence_threshold=threshold, overlap_comm=stage > 0, offload_optimizer=swap,
+                    offload_param=offload_param)
 
 
 def _params_per_rank(cfg: ParallelConfig, mesh: Mesh) -> Optional[int]:

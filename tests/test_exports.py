@@ -343,3 +343,19 @@ def test_optimizer_swap_offloads_the_optimizer_state():
     assert plain.zero.stage == 1 and plain.zero.offload_optimizer and any("optimizer.swap" in n for n in plain.notes)
     off = msp.make_plan(msp.load_config({**base, "optimizer": {"type": "AdamW"}})).to_deepspeed()
     assert "offload_optimizer" not in off["zero_optimization"] and "zero_force_ds_cpu_optimizer" not in off
+
+
+def test_parallelism_cpu_offload_offloads_zero3_parameters():
+    """parallelism.cpu_offload (MindFormers' FSDP offload; a real bool, pynative/config/utils.py) -> ZeRO-3
+    offload_param; without sharded parameters it is noted and ignored."""
+    import msparallel_ds as msp
+
+    plan = msp.make_plan(msp.load_config({"parallelism": {"data_parallel_shard": 4, "cpu_offload": True}}))
+    assert plan.zero.stage == 3 and plan.to_deepspeed()["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert plan.to_accelerate()["deepspeed_config"]["offload_param_device"] == "cpu"
+    flat = msp.make_plan(msp.load_config({"parallelism": {"data_parallel_shard": 1, "data_parallel_replicate": 4,
+                                                         "cpu_offload": True}}))
+    assert "offload_param" not in flat.to_deepspeed()["zero_optimization"]
+    assert any("parallelism.cpu_offload" in n for n in flat.notes)
+    with pytest.raises(msp.ConfigError, match="parallelism.cpu_offload"):
+        msp.load_config({"parallelism": {"cpu_offload": "yes"}})

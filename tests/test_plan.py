@@ -194,3 +194,14 @@ def test_activation_swap_from_swap_config_and_mcore_cpu_offloading():
     assert any("op_swap" in n for n in with_ops.notes)
     with pytest.raises(msp.ConfigError, match="swap_config.default_prefetch"):
         msp.load_config({"swap_config": {"swap": True, "default_prefetch": 0}})
+
+
+def test_plan_says_why_it_has_no_memory_estimate():
+    import msparallel_ds as msp
+
+    plan = msp.make_plan(msp.load_config({"pretrained_model_dir": "/models/Qwen3-32B",
+                                          "model": {"model_config": {"num_layers": 4}}}))
+    assert plan.memory is None
+    note = next(n for n in plan.notes if n.startswith("no memory estimate"))
+    assert "num_heads, hidden_size, vocab_size, seq_length" in note and "'/models/Qwen3-32B'" in note
+    assert "lacks num_layers" in next(n for n in msp.make_plan(msp.load_config({})).notes if "lacks" in n)

@@ -49,7 +49,7 @@ PP_SCHEDULES = {"1f1b": "1f1b", "interleaved_1f1b": "1f1b", "gpipe": "gpipe", "z
 PARALLELISM_FIELDS = ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel", "context_parallel",
                       "context_parallel_method", "ulysses_degree_in_cp", "pipeline_parallel",
                       "pipeline_parallel_interleave_num", "pipeline_parallel_schedule", "sequence_parallel",
-                      "expert_parallel", "micro_batch_num")
+                      "expert_parallel", "micro_batch_num", "cpu_offload")
 
 
 def load_config(source: Any, *, name: str | None = None) -> ParallelConfig:
@@ -146,7 +146,7 @@ def _normalize(raw: Mapping, issues: list[ConfigIssue], spelled: dict[str, str])
             par[sub] = _section(par, sub, issues, f"parallel.{sub}")
     out["parallel"] = par
 
-    for key in ("micro_batch_interleave_num", "use_parallel", "use_legacy"):
+    for key in ("micro_batch_interleave_num", "use_parallel", "use_legacy", "pretrained_model_dir"):
         if raw.get(key) is not None:
             out[key] = raw[key]
     flag = out.get("use_parallel")
@@ -242,7 +242,8 @@ def _apply_parallelism(p: dict, out: dict, issues: list[ConfigIssue]) -> None:
     if shard == 0 and _is_int(shard):
         issues.append(ConfigIssue("parallelism.data_parallel_shard", 0, "must be -1 (auto) or a positive degree",
                                   "write -1 to take it from the world size"))
-    out["parallelism"] = {"data_parallel_replicate": replicate, "data_parallel_shard": shard}
+    out["parallelism"] = {"data_parallel_replicate": replicate, "data_parallel_shard": shard,
+                          "cpu_offload": p.get("cpu_offload", False)}
     if _is_int(replicate) and _is_int(shard) and shard >= 1 and replicate >= 1:
         pc["data_parallel"] = replicate * shard
     elif _is_int(replicate):

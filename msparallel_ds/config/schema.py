@@ -192,6 +192,7 @@ class ParallelismSource(_Section):
 
     data_parallel_replicate: Degree = 1
     data_parallel_shard: Annotated[StrictInt, Field(ge=-1, le=MAX_DEGREE)] = -1
+    cpu_offload: StrictBool = False  # FSDP parameters on the host (MindFormers pynative) -> ZeRO-3 offload_param
 
 
 class ParallelConfig(_Section):
@@ -204,6 +205,7 @@ class ParallelConfig(_Section):
     micro_batch_interleave_num: Degree = 1
     use_parallel: StrictBool = True
     use_legacy: StrictBool = True  # False: MindFormers 2.x mcore models (their pipeline offsets exclude MTP layers)
+    pretrained_model_dir: Optional[str] = None  # where a 2.x YAML takes the model (HF config) from; not read by plan
     recompute_config: RecomputeConfig = RecomputeConfig()
     swap_config: SwapConfig = SwapConfig()
     runner_config: RunnerConfig = RunnerConfig()

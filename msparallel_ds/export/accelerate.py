@@ -17,7 +17,7 @@ def to_accelerate(plan: "Plan", *, num_machines: int = 1) -> dict[str, Any]:
     _, gas = deepspeed_batch(plan)
     ds: dict[str, Any] = {"zero_stage": plan.zero.stage, "gradient_accumulation_steps": gas,
                           "offload_optimizer_device": "cpu" if plan.zero.offload_optimizer else "none",
-                          "offload_param_device": "none",
+                          "offload_param_device": "cpu" if plan.zero.offload_param else "none",
                           "zero3_init_flag": plan.zero.stage == 3}
     ds["gradient_clipping"] = plan.gradient_clipping or 0.0  # DeepSpeed's own default would clip at 1.0
     if num_machines > 1:

@@ -59,6 +59,8 @@ def _zero(plan: "Plan") -> dict[str, Any]:
         out.update(reduce_scatter=True, allgather_bucket_size=z.reduce_bucket_size)
     if z.offload_optimizer:  # MindFormers optimizer.swap; with a torch optimizer (not DeepSpeedCPUAdam) on the host
         out["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if z.offload_param:  # parallelism.cpu_offload (ZeRO-3 only)
+        out["offload_param"] = {"device": "cpu", "pin_memory": True}
     if z.stage == 3:
         if z.param_persistence_threshold is not None:
             out["stage3_param_persistence_threshold"] = z.param_persistence_threshold

@@ -93,7 +93,8 @@ def _deepspeed_plugin(ds_config: dict):
     from the environment; the YAML is the source of truth, so the plugin's fields are given explicitly."""
     from accelerate.utils import DeepSpeedPlugin
 
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    zero = ds_config.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
     env_stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
     if env_stage is not None and env_stage.isdigit() and int(env_stage) != stage:
         warnings.warn(f"the accelerate launch config says zero_stage={env_stage}; the MindFormers YAML's ZeRO stage "
@@ -104,8 +105,8 @@ def _deepspeed_plugin(ds_config: dict):
         return DeepSpeedPlugin(hf_ds_config=ds_config, zero_stage=stage, zero3_init_flag=False,
                                gradient_accumulation_steps=ds_config.get("gradient_accumulation_steps", 1),
                                gradient_clipping=ds_config.get("gradient_clipping", 0.0),
-                               offload_optimizer_device="cpu" if "offload_optimizer" in ds_config.get(
-                                   "zero_optimization", {}) else "none", offload_param_device="none")
+                               offload_optimizer_device="cpu" if "offload_optimizer" in zero else "none",
+                               offload_param_device="cpu" if "offload_param" in zero else "none")
     finally:
         if saved is not None:
             os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = saved
