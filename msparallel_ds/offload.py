@@ -8,7 +8,8 @@ unchanged; the fine-grain interleave runs such layers whole.
 from __future__ import annotations
 
 import functools
-from typing import Any
+import warnings
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -34,16 +35,23 @@ def offload_module(module: nn.Module) -> nn.Module:
     return module
 
 
-def offload_activations(part: nn.Module, which: Any) -> list[str]:
+def offload_activations(part: nn.Module, which: Any, recomputed: Optional[dict] = None) -> list[str]:
     """Offload the decoder layers of `part` named by a Plan.activation_offload ("all" or global layer indices);
-    returns the global indices done."""
+    returns the global indices done. A layer recomputed whole keeps no activations to move: recompute takes
+    precedence there, with a warning, as in MindFormers (transformer/utils.py _check_swap_recompute_conflict)."""
     if not which:
         return []
     from .models import adapter_for
 
-    done = []
+    done, skipped = [], []
     for index, layer in adapter_for(part).layer_items(part):
         if which == "all" or index in which:
+            if "" in (recomputed or {}).get(str(index), ()):
+                skipped.append(index)
+                continue
             offload_module(layer)
             done.append(str(index))
+    if skipped:
+        warnings.warn(f"swap_config: layers {skipped} are recomputed whole, so their activations are not swapped "
+                      "(recompute takes precedence, as in MindFormers)", stacklevel=3)
     return done

@@ -50,6 +50,6 @@ def activation_offload_entry(cfg: ParallelConfig, notes: list[str]) -> Any:
     for entry in sc.layer_swap or ():
         if entry.layers is True:
             return "all"
-        if entry.layers is not False:
-            layers.update(entry.layers)
+        if entry.layers is not False:  # a list of layer ids, or of lists of them
+            layers.update(i for x in entry.layers for i in (x if isinstance(x, list) else [x]))
     return tuple(sorted(layers)) or None

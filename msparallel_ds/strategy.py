@@ -130,7 +130,7 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
         use_cp_attention(part, layout, algo=options.cp_algo, backend=options.cp_backend)
         cp_algo = resolve_algo(layout, options.cp_algo)
     recompute = apply_recompute(part, options.recompute, stage=stage, chunk=chunk) if recompute_on else {}
-    offloaded = tuple(offload_activations(part, options.activation_offload))
+    offloaded = tuple(offload_activations(part, options.activation_offload, recompute))
     interleave = None
     if interleave_on:
         from .interleave.multi_copy import install

@@ -205,3 +205,19 @@ def test_plan_says_why_it_has_no_memory_estimate():
     note = next(n for n in plan.notes if n.startswith("no memory estimate"))
     assert "num_heads, hidden_size, vocab_size, seq_length" in note and "'/models/Qwen3-32B'" in note
     assert "lacks num_layers" in next(n for n in msp.make_plan(msp.load_config({})).notes if "lacks" in n)
+
+
+def test_swap_config_rules_follow_mindformers():
+    """tools/check_rules.py (mindformers 2.1.0): default_prefetch >= 1 only when swap is on (l.353-368); with swap
+    on the recompute lists lose their length <= pipeline_stage limit (l.316-325); layer_swap layers may be nested."""
+    import msparallel_ds as msp
+
+    off = msp.load_config({"swap_config": {"swap": False, "default_prefetch": 0}})
+    assert msp.make_plan(off).activation_offload is None
+    with pytest.raises(msp.ConfigError, match="swap_config.default_prefetch"):
+        msp.load_config({"swap_config": {"swap": True, "default_prefetch": 0}})
+    long_list = {"recompute_config": {"recompute": [1, 1, 1]}}
+    with pytest.raises(msp.ConfigError, match="recompute_config.recompute"):
+        msp.load_config(long_list)
+    swap = {"swap": True, "layer_swap": [{"layers": [[0, 1], [3]]}]}
+    assert msp.make_plan(msp.load_config({**long_list, "swap_config": swap})).activation_offload == (0, 1, 3)

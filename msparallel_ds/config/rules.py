@@ -37,7 +37,7 @@ def _warn(text: str) -> None:
 def check_rules(cfg: ParallelConfig) -> list[ConfigIssue]:
     issues: list[ConfigIssue] = []
     for rule in (_cp_rules, _head_rules, _sequence_rules, _interleave_rules, _pipeline_rules, _offset_rules,
-                 _recompute_rules, _optimizer_rules):
+                 _swap_rules, _recompute_rules, _optimizer_rules):
         issues.extend(rule(cfg))
     return issues
 
@@ -262,8 +262,17 @@ def _offset_rules(cfg: ParallelConfig):
                           "hold 0)", "make every middle stage's num_layers // (pp x vpp) + offset at least 1")
 
 
+def _swap_rules(cfg: ParallelConfig):
+    """tools/check_rules.py _check_swap (mindformers 2.1.0 l.353-368): default_prefetch >= 1 when swap is on."""
+    sc = cfg.swap_config
+    if sc.swap and sc.default_prefetch < 1:
+        yield ConfigIssue("swap_config.default_prefetch", sc.default_prefetch, "must be >= 1 when swap is on",
+                          "write 1 or more")
+
+
 def _recompute_rules(cfg: ParallelConfig):
     rc, pp = cfg.recompute_config, cfg.pp
+    swap = cfg.swap_config.swap  # with swap on MindFormers drops the per-stage length limit (check_rules l.316-325)
     for name in ("recompute", "select_recompute", "select_comm_recompute"):
         value = getattr(rc, name)
         lists = [("", value)] if isinstance(value, list) else []
@@ -271,7 +280,7 @@ def _recompute_rules(cfg: ParallelConfig):
             lists = [(f"[{p!r}]", v) for p, v in value.items() if isinstance(v, list)]
         for suffix, lst in lists:
             if lst and all(isinstance(x, int) for x in lst):
-                if len(lst) > pp:
+                if len(lst) > pp and not swap:
                     yield ConfigIssue(f"recompute_config.{name}{suffix}", lst,
                                       f"has {len(lst)} entries but there are only {pp} pipeline stages "
                                       "(one layer count per stage)", f"give at most {pp} values")
@@ -279,7 +288,7 @@ def _recompute_rules(cfg: ParallelConfig):
                     yield ConfigIssue(f"recompute_config.{name}{suffix}", lst, "layer counts must be >= 0",
                                       "use 0 to switch a stage off")
             elif lst and all(isinstance(x, list) for x in lst):
-                if any(len(row) > pp for row in lst):
+                if any(len(row) > pp for row in lst) and not swap:
                     yield ConfigIssue(f"recompute_config.{name}{suffix}", lst,
                                       f"rows must have at most {pp} entries (one per pipeline stage)",
                                       f"give at most {pp} values per row")

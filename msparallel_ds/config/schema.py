@@ -92,7 +92,7 @@ RecomputeValue = Union[StrictBool, list[StrictInt], list[list[StrictInt]], list[
 class LayerSwap(_Section):
     """One `swap_config.layer_swap` entry: these decoder layers keep their activations on the host."""
 
-    layers: Union[StrictBool, list[NonNegCount]] = True
+    layers: Union[StrictBool, list[NonNegCount], list[list[NonNegCount]]] = True
     backward_prefetch: Count = 1
 
 
@@ -101,7 +101,7 @@ class SwapConfig(_Section):
     activations go to the host, per-operator swap, prefetch distance."""
 
     swap: StrictBool = False
-    default_prefetch: Count = 1
+    default_prefetch: Annotated[StrictInt, Field(le=MAX_COUNT)] = 1  # >= 1 when swap is on (config.rules)
     layer_swap: Optional[list[LayerSwap]] = None
     op_swap: Optional[dict[str, Any]] = None
 
