@@ -7,32 +7,25 @@ unchanged; the fine-grain interleave runs such layers whole.
 """
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from .training_wrap import wrap_training_forward
+
 __all__ = ["offload_activations", "offload_module"]
 
 
 def offload_module(module: nn.Module) -> nn.Module:
     """Keep `module`'s saved activations on the host during training (idempotent)."""
-    if getattr(module, "_msp_offload", False):
-        return module
-    inner = module.forward
+    return wrap_training_forward(module, "_msp_offload", _on_host)
 
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        if not module.training:
-            return inner(*args, **kwargs)
-        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-            return inner(*args, **kwargs)
 
-    module.forward = forward
-    module._msp_offload = True
-    return module
+def _on_host(inner, args, kwargs):
+    with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+        return inner(*args, **kwargs)
 
 
 def offload_activations(part: nn.Module, which: Any, recomputed: Optional[dict] = None) -> list[str]:

@@ -18,11 +18,12 @@ checkpoints are unchanged and pre-hooks (e.g. the sequence-parallel split) run o
 """
 from __future__ import annotations
 
-import functools
 import re
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from .training_wrap import wrap_training_forward
 
 __all__ = ["apply_recompute", "checkpoint_module", "select_modules"]
 
@@ -33,19 +34,8 @@ _OPS = {"mul", "add", "silu", "gelu", "reshape", "cast", "matmul", "batchmatmul"
 
 def checkpoint_module(module: nn.Module) -> nn.Module:
     """Recompute `module`'s forward in backward instead of storing its activations (idempotent)."""
-    if getattr(module, "_msp_recompute", False):
-        return module
-    inner = module.forward
-
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        if not module.training:
-            return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-
-    module.forward = forward
-    module._msp_recompute = True
-    return module
+    return wrap_training_forward(module, "_msp_recompute",
+                                 lambda inner, args, kwargs: checkpoint(inner, *args, use_reentrant=False, **kwargs))
 
 
 def _module_regex(pattern: str) -> re.Pattern:
