@@ -28,7 +28,8 @@ import torch
 if TYPE_CHECKING:
     from ..distributed.layout import ParallelLayout
 
-__all__ = ["FILE", "FORMAT", "SHARDED_FORMAT", "SHARDED_INDEX", "atomic_save", "check_names",
+__all__ = ["FILE", "FORMAT", "SHARDED_FORMAT", "SHARDED_INDEX", "atomic_save", "check_names", "record_for",
+           "resume_progress",
            "read_checkpoint_file", "read_for_layout", "shard_file"]
 
 FILE = "msp_universal.pt"
@@ -100,3 +101,23 @@ def read_for_layout(load_dir: str, layout: ParallelLayout) -> tuple[dict[str, An
                          "original (layout-independent) one")
     return read_checkpoint_file(os.path.join(load_dir, shard_file(layout.rank("pp"), layout.rank("tp"))),
                                 SHARDED_FORMAT), True
+
+
+def record_for(engine, params: dict, optimizer_step: float, model) -> dict[str, Any]:
+    """engine.save's file content: `params` ({HF name: {fp32, Adam moments}}, full size) plus the engine's progress
+    (optimizer step, global steps, lr scheduler) and `model`'s config, which convert-checkpoint reads."""
+    sched, config = engine.lr_scheduler, getattr(model, "config", None)
+    return {"format": FORMAT, "params": params, "optimizer_step": optimizer_step, "global_steps": engine.global_steps,
+            "lr_scheduler": sched.state_dict() if sched is not None else None,
+            "model_config": config.to_dict() if hasattr(config, "to_dict") else None}
+
+
+def resume_progress(engine, ck: dict[str, Any]) -> dict[str, Any]:
+    """After the tensors of `ck` are loaded on every rank: the lr scheduler and step count, then a barrier."""
+    import torch.distributed as dist
+
+    if ck["lr_scheduler"] is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(ck["lr_scheduler"])
+    engine.global_steps = ck["global_steps"]
+    dist.barrier()
+    return {"global_steps": ck["global_steps"], "optimizer_step": ck["optimizer_step"]}

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .format import FILE, FORMAT, atomic_save, check_names, read_for_layout
+from .format import FILE, atomic_save, check_names, read_for_layout, record_for, resume_progress
 from .optim_state import ensure_adam_state, optimizer_keys
 from .reshard import fit, gather, gather_pipeline_state_dict, merge_over_pp
 
@@ -65,13 +65,7 @@ def save_pipeline_checkpoint(engine, save_dir: str) -> None:
     dist.all_reduce(step, op=dist.ReduceOp.MAX)
     full = merge_over_pp(records if layout.rank("dp_cp") == 0 else None, layout, rank0_only=True)
     if layout.global_rank == 0:
-        sched = engine.lr_scheduler
-        config = getattr(engine._hf, "config", None)
-        record = {"format": FORMAT, "params": full, "optimizer_step": float(step.item()),
-                  "global_steps": engine.global_steps,
-                  "lr_scheduler": sched.state_dict() if sched is not None else None,
-                  "model_config": config.to_dict() if hasattr(config, "to_dict") else None}
-        atomic_save(record, os.path.join(save_dir, FILE))
+        atomic_save(record_for(engine, full, float(step.item()), engine._hf), os.path.join(save_dir, FILE))
     dist.barrier()
 
 
@@ -90,8 +84,4 @@ def load_pipeline_checkpoint(engine, load_dir: str) -> dict[str, Any]:
                 for k in keys:
                     if k in rec:
                         base.state[p][k].copy_(rec[k])
-    if ck["lr_scheduler"] is not None and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(ck["lr_scheduler"])
-    engine.global_steps = ck["global_steps"]
-    dist.barrier()
-    return {"global_steps": ck["global_steps"], "optimizer_step": ck["optimizer_step"]}
+    return resume_progress(engine, ck)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .format import FILE, FORMAT, atomic_save, check_names, read_for_layout
+from .format import FILE, atomic_save, check_names, read_for_layout, record_for, resume_progress
 from .optim_state import ensure_adam_state, optimizer_keys
 from .reshard import fit, gather
 
@@ -71,12 +71,7 @@ def save_checkpoint(engine, save_dir: str) -> None:
             params[name] = {k: v.detach().to("cpu", copy=True) for k, v in rec.items()}
     if rank0:
         steps = [s["step"] for s in opt.state.values() if "step" in s]
-        sched = engine.lr_scheduler
-        config = getattr(engine.model, "config", None)
-        atomic_save({"format": FORMAT, "params": params, "optimizer_step": float(max(steps)) if steps else 0.0,
-                     "global_steps": engine.global_steps,
-                     "lr_scheduler": sched.state_dict() if sched is not None else None,
-                     "model_config": config.to_dict() if hasattr(config, "to_dict") else None},
+        atomic_save(record_for(engine, params, float(max(steps)) if steps else 0.0, engine.model),
                     os.path.join(save_dir, FILE))
     dist.barrier()
 
@@ -108,8 +103,4 @@ def load_checkpoint(engine, load_dir: str) -> dict[str, Any]:
                 for k in keys:
                     if k in rec:
                         safe_set_full_optimizer_state(p, rec[k].to(p.device), k)
-    if ck["lr_scheduler"] is not None and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(ck["lr_scheduler"])
-    engine.global_steps = ck["global_steps"]
-    dist.barrier()
-    return {"global_steps": ck["global_steps"], "optimizer_step": ck["optimizer_step"]}
+    return resume_progress(engine, ck)

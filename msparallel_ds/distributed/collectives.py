@@ -6,7 +6,7 @@ owns elements [r*n/N, (r+1)*n/N) of `dim`. Gathers and reduce-scatters move `dim
 piece is one contiguous block (the tensor-form collectives need that), so they work for any dim on any backend and
 device. Sums run in the tensor's dtype. They report to distributed.instruments.
 
-Layout-level (engines: losses, token counts, gradients): sum_over / max_over a named layout dim, all_reduce_flat
+Layout-level (engines: losses, token counts, gradients): sum_over a named layout dim, all_reduce_flat
 and clip_grad_norm_. In place, skipped on a size-1 dim, and not instrumented (they run outside the interleaved
 forward/backward that the instruments measure).
 """
@@ -23,7 +23,7 @@ from .instruments import bus_bytes, sync_done, sync_start
 if TYPE_CHECKING:
     from .layout import ParallelLayout
 
-__all__ = ["all_reduce", "all_gather_along", "reduce_scatter_along", "split_along", "sum_over", "max_over",
+__all__ = ["all_reduce", "all_gather_along", "reduce_scatter_along", "split_along", "sum_over",
            "all_reduce_flat", "clip_grad_norm_"]
 
 
@@ -111,13 +111,6 @@ def sum_over(layout: ParallelLayout, name: str, t: Tensor) -> Tensor:
     """t summed in place over layout dim `name` (e.g. "dp", "cp", "dp_cp"); returns t."""
     if layout.size(name) > 1:
         dist.all_reduce(t, group=layout.group(name))
-    return t
-
-
-def max_over(layout: ParallelLayout, name: str, t: Tensor) -> Tensor:
-    """t maxed in place over layout dim `name`; returns t."""
-    if layout.size(name) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=layout.group(name))
     return t
 
 

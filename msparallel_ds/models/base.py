@@ -41,7 +41,6 @@ class LayerParts:
 class DecoderAdapter:
     """A family of HF decoder-only causal LMs; subclasses fill in the class attributes and the family's parts."""
 
-    name: str = ""
     architectures: tuple[str, ...] = ()
     model_types: tuple[str, ...] = ()
     prefix = "model"                               # base model attribute (HF base_model_prefix)

@@ -23,7 +23,6 @@ _BLOCKS = ("self_attn", "mlp")  # a layer's two TP blocks (SP: each gathers the 
 
 
 class LlamaFamily(DecoderAdapter):
-    name = "llama"
     architectures = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
     model_types = ("llama", "qwen2", "mistral", "qwen3")
     sequence_parallel_children = ("input_layernorm", "post_attention_layernorm")
