@@ -190,6 +190,9 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer:
         opt = optimizer
     else:
         opt = (optimizer or runtime.torch_optimizer(plan))(params)
-    ds_engine, _, _, sched = deepspeed.initialize(model=model, optimizer=opt, model_parameters=params,
-                                                   config=ds_config, mpu=layout.mpu(), lr_scheduler=lr_scheduler)
+    from .moe.deepspeed import deepspeed_moe
+
+    with deepspeed_moe(model, layout, opt):  # expert parameters reduced over the expert-data-parallel group
+        ds_engine, _, _, sched = deepspeed.initialize(model=model, optimizer=opt, model_parameters=params,
+                                                       config=ds_config, mpu=layout.mpu(), lr_scheduler=lr_scheduler)
     return Engine(ds_engine, layout, plan, applied_to(model), sched)

@@ -2,7 +2,8 @@
 
 A part is a whole HF causal LM (msp.parallelize, the DeepSpeed engine, accelerate, the Trainer) or one pipeline
 stage/chunk cut from it first (the pipeline engine calls this once per chunk). The order:
-1. tensor / sequence / vocab parallel (replaces Linear / Embedding modules by the adapter's TP plan);
+1. tensor / sequence / vocab parallel (replaces Linear / Embedding modules by the adapter's TP plan), then expert
+   parallel (a MoE layer's experts cut to this rank's E/ep and run through the all-to-all dispatch: moe/);
 2. context-parallel attention (an attention-function switch, no module change);
 3. recompute (wraps the forwards of the final modules; per pipeline stage and chunk), then activation offload of
    the swap_config layers (wraps their forwards too);
@@ -51,6 +52,7 @@ class Options:
     recompute: Any = None              # a Plan.recompute
     activation_offload: Any = None     # a Plan.activation_offload: "all" or global layer indices
     interleave: Interleave = field(default_factory=Interleave)
+    capacity: Any = None               # moe.capacity rule (None: dropless)
 
     @classmethod
     def from_plan(cls, plan: Any) -> Options:
@@ -70,13 +72,15 @@ class Applied:
     layout: ParallelLayout
     adapter: Optional[DecoderAdapter]  # None: a model family without an adapter, run with dp / ZeRO / cp only
     tp_plan: dict[str, str]
-    spec: ShardSpec
+    spec: ShardSpec                    # tp and ep splits
+
     sequence_parallel: bool
     vocab_parallel: bool
     cp_algo: Optional[str]
     recompute: dict[str, list[str]]
     interleave: Optional[Interleave]
     offloaded: tuple[str, ...] = ()  # decoder layers whose activations are kept on the host (swap_config)
+    ep_plan: dict[str, str] = field(default_factory=dict)  # MoE experts split over ep ({} when ep == 1)
 
     def output_head(self, part: nn.Module) -> Optional[nn.Module]:
         """The part's output head (vocab-parallel under vocab_emb_dp: false), for the engines' loss."""
@@ -107,21 +111,24 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
                      chunk: int = 0) -> Applied:
     """Apply `options` to `part` in place (see the module docstring) and return what was applied. `stage` and
     `chunk`: the part's pipeline stage and virtual chunk (recompute lists are per stage and chunk)."""
+    from .moe.apply import apply_ep
     from .offload import offload_activations
     from .recompute import apply_recompute
     from .tensor_parallel.apply import apply_tp
 
-    tp, inter = layout.size("tp"), options.interleave
+    tp, ep, inter = layout.size("tp"), layout.size("ep"), options.interleave
     recompute_on = options.recompute is not None and options.recompute.mode != "none"
     interleave_on = inter.copies > 1 or inter.fine_grain > 1 or inter.copy_loss != "mean"
-    adapter = _adapter(part, needed=tp > 1 or recompute_on or interleave_on or bool(options.activation_offload))
+    adapter = _adapter(part, needed=tp > 1 or ep > 1 or recompute_on or interleave_on
+                       or bool(options.activation_offload))
     names = [n for n, _ in part.named_parameters(remove_duplicate=False)]
     plan: dict[str, str] = {}
     if tp > 1:
         plan = adapter.tp_plan(part.config, tp, sequence_parallel=options.sequence_parallel,
                                vocab_parallel=options.vocab_parallel)
         apply_tp(part, layout, adapter, plan)
-    spec = ShardSpec.from_plan(plan, names)
+    ep_plan = apply_ep(part, layout, adapter, options.capacity)
+    spec = ShardSpec.from_plan({**plan, **ep_plan}, names)
     cp_algo = None
     if layout.size("cp") > 1:
         from .context_parallel.api import resolve_algo
@@ -140,7 +147,7 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
     return Applied(layout=layout, adapter=adapter, tp_plan=plan, spec=spec,
                    sequence_parallel=bool(options.sequence_parallel and tp > 1),
                    vocab_parallel=bool(options.vocab_parallel and tp > 1), cp_algo=cp_algo, recompute=recompute,
-                   interleave=interleave, offloaded=offloaded)
+                   interleave=interleave, offloaded=offloaded, ep_plan=ep_plan)
 
 
 # models parallelized by msp.parallelize -> their record, for msp.initialize / accelerate / the Trainer

@@ -100,19 +100,20 @@ def _default_device(layout: ParallelLayout) -> torch.device:
     return torch.device(layout.device_type, int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def _read(handle, key: str, local_shape, shard: Shard, tp: int, tp_rank: int) -> Tensor:
+def _read(handle, key: str, local_shape, shard: Shard, layout: ParallelLayout) -> Tensor:
     """This rank's part of checkpoint tensor `key` for a parameter/buffer of `local_shape`, shape-checked."""
     sl = handle.get_slice(key)
     shape, local = tuple(sl.get_shape()), tuple(local_shape)
+    tp, tp_rank = layout.size(shard.group), layout.rank(shard.group)  # the shard's group: tp, or ep for experts
     full = shard.full_shape(local, tp)
     if not shard.is_split:
         if shape != local:
             raise ValueError(f"checkpoint tensor {key!r} has shape {shape} but the model expects {local} "
-                             f"(replicated on every tp rank)")
+                             f"(replicated on every {shard.group} rank)")
         return handle.get_tensor(key)
     if shape != full:
-        raise ValueError(f"checkpoint tensor {key!r} has shape {shape} but this tp rank's shard {local} (dim "
-                         f"{shard.dim} split over tp={tp}) needs a full shape of {full}")
+        raise ValueError(f"checkpoint tensor {key!r} has shape {shape} but this {shard.group} rank's shard {local} "
+                         f"(dim {shard.dim} split over {shard.group}={tp}) needs a full shape of {full}")
     return sl[shard.index(local, tp, tp_rank)]
 
 
@@ -193,7 +194,6 @@ def load_sharded_checkpoint(model: nn.Module, checkpoint_dir: str | os.PathLike,
     checkpoint_dir = os.fspath(checkpoint_dir)
     device = _default_device(layout) if device is None else torch.device(device)
     spec = ShardSpec.of_module(model) if spec is None else spec  # before the loaded Parameters replace the meta ones
-    tp, tp_rank = layout.size("tp"), layout.rank("tp")
     files = _weight_files(checkpoint_dir)
     names, tensors, transient = _named_tensors(model)
     missing = []
@@ -205,7 +205,7 @@ def load_sharded_checkpoint(model: nn.Module, checkpoint_dir: str | os.PathLike,
                 missing.extend(tensor_names)
                 continue
             old = tensors[ident]
-            data = _read(handles[files[key]], key, old.shape, spec.get(key), tp, tp_rank)
+            data = _read(handles[files[key]], key, old.shape, spec.get(key), layout)
             # safetensors' tensors are views of the mmapped file (storage = the whole tensor): copy out the shard
             data = data.to(device=device, dtype=dtype if dtype is not None and data.is_floating_point() else None,
                            memory_format=torch.contiguous_format, copy=True)

@@ -24,15 +24,16 @@ __all__ = ["fit", "gather", "gather_full_state_dict", "gather_pipeline_state_dic
 
 
 def gather(t: Tensor, shard: Shard, layout: ParallelLayout) -> Tensor:
-    """The full tensor of which `t` is this rank's part (a collective over tp when split); `t` when replicated."""
-    return shard.gather(t, layout.group("tp")) if layout.size("tp") > 1 else t
+    """The full tensor of which `t` is this rank's part (a collective over the shard's group, tp or ep, when split);
+    `t` when replicated."""
+    return shard.gather(t, layout.group(shard.group)) if layout.size(shard.group) > 1 else t
 
 
 def fit(t: Tensor, shard: Shard, layout: ParallelLayout, sliced: bool, shape) -> Tensor:
-    """This tp rank's part of checkpoint tensor `t` (a full tensor, or already this rank's when `sliced`), checked
+    """This rank's part (over the shard's group) of checkpoint tensor `t` (a full tensor, or already this rank's when `sliced`), checked
     against the parameter's local `shape`: a checkpoint of another model is one clear error, not a wrong copy."""
     if not sliced:
-        t = shard.local(t, layout.size("tp"), layout.rank("tp"))
+        t = shard.local(t, layout.size(shard.group), layout.rank(shard.group))
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"checkpoint tensor of shape {tuple(t.shape)} does not fit parameter of shape "
                          f"{tuple(shape)} under this layout (was it saved from another model?)")

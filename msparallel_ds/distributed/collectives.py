@@ -23,8 +23,8 @@ from .instruments import bus_bytes, sync_done, sync_start
 if TYPE_CHECKING:
     from .layout import ParallelLayout
 
-__all__ = ["all_reduce", "all_gather_along", "reduce_scatter_along", "split_along", "sum_over",
-           "all_reduce_flat", "clip_grad_norm_"]
+__all__ = ["all_reduce", "all_gather_along", "all_to_all_v", "exchange_counts", "reduce_scatter_along",
+           "split_along", "sum_over", "all_reduce_flat", "clip_grad_norm_"]
 
 
 # ---------------------------------------------------------------------------------------------- group-level
@@ -104,6 +104,26 @@ def split_along(x: Tensor, group, dim: int) -> Tensor:
         return x
     piece = _chunk(x, group, dim)
     return x.narrow(dim, dist.get_rank(group) * piece, piece).contiguous()
+
+
+def exchange_counts(send_counts: Tensor, group) -> Tensor:
+    """How many rows each rank of `group` will send this rank, from how many this rank sends each (int64 [n])."""
+    recv = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv, send_counts.contiguous(), group=group)
+    return recv
+
+
+def all_to_all_v(x: Tensor, send: list[int], recv: list[int], group) -> Tensor:
+    """Rows of `x` in destination-rank blocks of sizes `send` -> the rows every rank sent here, in source-rank blocks
+    of sizes `recv` (the expert-parallel token exchange)."""
+    t0 = sync_start()
+    x = x.contiguous()
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+    row = x[0].numel() * x.element_size() if x.dim() else x.element_size()
+    mine = send[dist.get_rank(group)] if send else 0
+    sync_done(t0, "all_to_all", float((sum(send) - mine) * row))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- layout-level

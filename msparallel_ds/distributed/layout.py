@@ -5,6 +5,11 @@ One DeviceMesh with dims ("pp", "dp", "cp_ring", "cp_ulysses", "tp"), outermost 
 plus flattened dims: "cp" = cp_ring x cp_ulysses, "dp_cp" = dp x cp (ZeRO partitions and gradients reduce over
 it: cp ranks hold the same weights), "pp_tp" = pp x tp (the Megatron "model parallel" group: DeepSpeed sums
 gradient norms over it). Every name has a group on every rank, size-1 ones included (DeepSpeed calls them).
+
+Expert parallel (MindFormers mcore, Megatron-Core): the dp x cp x tp ranks of one pipeline stage (a block of
+consecutive ranks) fold into "edp" x "ep", ep innermost, so an EP group is `ep` consecutive ranks and the
+expert-data-parallel group "edp" (dp*cp*tp/ep ranks holding the same experts) strides by ep. A second DeviceMesh
+("ep_pp", "edp", "ep") over the same ranks holds them.
 No module-level state: pass the layout to whatever needs a group.
 """
 
@@ -23,7 +28,8 @@ __all__ = ["ParallelLayout", "init_parallel", "MESH_DIMS", "GROUP_NAMES"]
 
 MESH_DIMS = ("pp", "dp", "cp_ring", "cp_ulysses", "tp")
 _FLATTENED = {"cp": ("cp_ring", "cp_ulysses"), "dp_cp": ("dp", "cp_ring", "cp_ulysses"), "pp_tp": ("pp", "tp")}
-GROUP_NAMES = MESH_DIMS + tuple(_FLATTENED)
+EP_DIMS = ("ep_pp", "edp", "ep")  # the expert mesh: ep_pp equals pp
+GROUP_NAMES = MESH_DIMS + tuple(_FLATTENED) + EP_DIMS[1:]
 
 
 def _require_dist() -> None:
@@ -118,6 +124,12 @@ class ParallelLayout:
         self._meshes = {name: self.mesh[name] for name in MESH_DIMS}
         for name, dims in _FLATTENED.items():
             self._meshes[name] = self.mesh[dims]._flatten(name, backend_override=opts)
+        ep = _expert_parallel(plan, sizes)
+        stage = world // sizes["pp"]
+        expert_mesh = init_device_mesh(self.device_type, (sizes["pp"], stage // ep, ep), mesh_dim_names=EP_DIMS,
+                                       backend_override={name: opts for name in EP_DIMS})
+        self._meshes.update({name: expert_mesh[name] for name in EP_DIMS[1:]})
+        self._sizes.update(ep=ep, edp=stage // ep)
         self._groups = {name: m.get_group() for name, m in self._meshes.items()}
         self._ranks = {name: tuple(dist.get_process_group_ranks(g)) for name, g in self._groups.items()}
 
@@ -161,6 +173,16 @@ class ParallelLayout:
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}={self.rank(n)}/{self.size(n)}" for n in MESH_DIMS)
         return f"ParallelLayout(rank={self.global_rank}/{self.world_size}, {dims}, device={self.device_type})"
+
+
+def _expert_parallel(plan: Any, sizes: dict[str, int]) -> int:
+    ep = getattr(plan, "expert_parallel", 1) or 1
+    folded = sizes["dp"] * sizes["cp_ring"] * sizes["cp_ulysses"] * sizes["tp"]
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or folded % ep:
+        raise ValueError(f"parallel_config.expert_parallel={ep!r} must divide data_parallel x context_parallel x "
+                         f"model_parallel = {folded}: expert-parallel groups are folded out of those ranks (MindFormers "
+                         f"mcore / Megatron-Core); pick a divisor of {folded}")
+    return ep
 
 
 def init_parallel(cfg_or_plan: Any, *, device_type: str | None = None,

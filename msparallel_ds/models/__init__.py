@@ -13,12 +13,13 @@ from torch import nn
 
 from .base import DecoderAdapter, InterleavedLayers, LayerParts
 from .llama import LlamaFamily
+from .moe import MoEFamily
 from .stage import StageModule
 
-__all__ = ["ADAPTERS", "DecoderAdapter", "InterleavedLayers", "LayerParts", "StageModule", "SUPPORTED_ARCHITECTURES",
-           "adapter_for", "adapter_for_config"]
+__all__ = ["ADAPTERS", "DecoderAdapter", "InterleavedLayers", "LayerParts", "MoEFamily", "StageModule",
+           "SUPPORTED_ARCHITECTURES", "adapter_for", "adapter_for_config"]
 
-ADAPTERS: tuple[DecoderAdapter, ...] = (LlamaFamily(),)
+ADAPTERS: tuple[DecoderAdapter, ...] = (LlamaFamily(), MoEFamily())
 SUPPORTED_ARCHITECTURES = tuple(a for adapter in ADAPTERS for a in adapter.architectures)
 
 

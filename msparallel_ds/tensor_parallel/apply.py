@@ -51,7 +51,7 @@ from .vocab import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_cross_
 if TYPE_CHECKING:
     from ..distributed.layout import ParallelLayout
 
-__all__ = ["STYLES", "apply_tp", "tp_parallelize", "tp_plan", "vocab_parallel_causal_lm_loss"]
+__all__ = ["STYLES", "apply_tp", "grad_allreduce", "tp_parallelize", "tp_plan", "vocab_parallel_causal_lm_loss"]
 
 STYLES = ("colwise", "rowwise", "colwise_kv_replicated", "replicated_with_grad_allreduce", "vocab_embedding",
           "vocab_lm_head", "sequence_parallel", "sequence_scatter_input", "sequence_gather_input",
@@ -67,7 +67,8 @@ def tp_plan(model: nn.Module, layout: ParallelLayout, *, sequence_parallel: bool
 
 
 # ---------------------------------------------------------------------------------------------- apply
-def _grad_allreduce(module: nn.Module, group) -> None:
+def grad_allreduce(module: nn.Module, group) -> None:
+    """Sum the grads of `module`'s own parameters over `group` (replicated weights that saw different inputs)."""
     for p in module.parameters(recurse=False):
         if p.requires_grad and not getattr(p, "tp_grad_allreduce", False):
             p.tp_grad_allreduce = True
@@ -123,7 +124,7 @@ def apply_tp(part: nn.Module, layout: ParallelLayout, adapter: DecoderAdapter, p
             continue
         matched.add(style)
         if style in ("replicated_with_grad_allreduce", "sequence_parallel"):
-            _grad_allreduce(module, group)
+            grad_allreduce(module, group)
         elif style == "sequence_scatter_input":
             _map_hidden_input(module, lambda x: scatter_to_region(x, group, SEQ_DIM))
         elif style == "sequence_gather_input":

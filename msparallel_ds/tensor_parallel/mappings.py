@@ -12,6 +12,7 @@ state). Layers call the lowercase wrappers, which return the input untouched on 
 | scatter_to_region(x, g, dim)                 | keep my slice of dim       | all-gather along dim       | scatter_to_tp      |
 | gather_from_region(x, g, dim)                | all-gather along dim       | keep my slice of dim       | gather_output      |
 | seq_to_head(x, g) / head_to_seq(x, g)        | Ulysses all-to-all         | the inverse all-to-all     | (DeepSpeed-Ulysses)|
+| exchange_rows(x, send, recv, g)              | all-to-all-v of rows       | the reverse all-to-all-v   | EP token dispatch  |
 
 The plain collectives underneath (slices in group-rank order, sums in the tensor's dtype) are in
 msparallel_ds.distributed.collectives; the async issue/wait pairs of the interleave in msparallel_ds.interleave.overlap.
@@ -22,12 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..distributed.collectives import _chunk, _size, all_gather_along, all_reduce, reduce_scatter_along, split_along
+from ..distributed.collectives import (_chunk, _size, all_gather_along, all_reduce, all_to_all_v, reduce_scatter_along,
+                                       split_along)
 
 __all__ = ["IdentityAllReduce", "AllReduceIdentity", "AllGatherReduceScatter", "ReduceScatterAllGather",
-           "SplitAllGather", "AllGatherSplit", "SeqToHeadAllToAll", "HeadToSeqAllToAll",
+           "SplitAllGather", "AllGatherSplit", "SeqToHeadAllToAll", "HeadToSeqAllToAll", "RowsAllToAll",
            "copy_to_region", "reduce_from_region", "gather_from_sequence_region", "reduce_scatter_to_sequence_region",
-           "scatter_to_region", "gather_from_region", "seq_to_head", "head_to_seq"]
+           "scatter_to_region", "gather_from_region", "seq_to_head", "head_to_seq", "exchange_rows"]
 
 
 # ---------------------------------------------------------------------------------------------- autograd pairs
@@ -193,3 +195,22 @@ def seq_to_head(x: Tensor, group) -> Tensor:
 
 def head_to_seq(x: Tensor, group) -> Tensor:
     return x if _size(group) == 1 else HeadToSeqAllToAll.apply(x, group)
+
+
+# ---------------------------------------------------------------------------------------------- expert-parallel rows
+class RowsAllToAll(torch.autograd.Function):
+    """Forward: rows in destination-rank blocks (sizes `send`) go to their ranks; this rank gets source-rank blocks
+    (sizes `recv`). Backward: the same exchange reversed (each row's grad goes back to the rank that sent it)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, send: list[int], recv: list[int], group) -> Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return all_to_all_v(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return all_to_all_v(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def exchange_rows(x: Tensor, send: list[int], recv: list[int], group) -> Tensor:
+    return x if _size(group) == 1 else RowsAllToAll.apply(x, send, recv, group)

@@ -1,7 +1,9 @@
-"""The one shard spec: which parameter is split over tp, along which dim, derived from the TP plan's styles.
+"""The one shard spec: which parameter is split over which group (tp, or ep for experts), along which dim, derived
+from the parallel plan's styles.
 
-Rule (Megatron's, written only here): tp rank r of T holds `full.chunk(T, dim)[r]` of a split parameter; every
-other parameter is a full replica on each tp rank. The TP layers cut their shards with it, and the weight gather,
+Rule (Megatron's, written only here): rank r of a group of T holds `full.chunk(T, dim)[r]` of a split parameter;
+every other parameter is a full replica on each rank of the group. A Shard names its group ("tp", or "ep" for the
+routed experts of a MoE layer, split along the expert dim). The TP layers cut their shards with it, and the weight gather,
 the checkpoints (save, load, convert-checkpoint), save_pretrained and from_pretrained read the same entries, so a
 parameter's layout is decided once, by the style its module has in the TP plan:
 
@@ -12,6 +14,7 @@ parameter's layout is decided once, by the style its module has in the TP plan:
 | vocab_embedding        | vocab, dim 0    | -               |
 | vocab_lm_head          | vocab, dim 0    | vocab, dim 0    |
 | colwise_kv_replicated  | kv_replicated   | kv_replicated   |
+| ep_experts (over ep)   | every 3-D expert tensor: expert, dim 0  |
 | anything else          | replicated      | replicated      |
 
 The spec is a pure function of (plan, parameter names): convert-checkpoint derives it from a saved model config
@@ -27,15 +30,17 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["REPLICATED", "STYLE_PARAM_SHARDS", "Shard", "ShardSpec", "compile_pattern"]
+__all__ = ["EXPERT_SHARD", "REPLICATED", "STYLE_PARAM_SHARDS", "Shard", "ShardSpec", "compile_pattern"]
 
 
 @dataclass(frozen=True)
 class Shard:
-    """How one parameter is laid out over the tp group: `dim` is None for a full replica on every rank."""
+    """How one parameter is laid out over its group (layout dim `group`): `dim` is None for a full replica on every
+    rank."""
 
     dim: Optional[int] = None
-    kind: str = "replicated"  # split | vocab | kv_replicated | replicated
+    kind: str = "replicated"  # split | vocab | kv_replicated | expert | replicated
+    group: str = "tp"         # the layout dim the parameter is split over ("ep" for experts)
 
     @property
     def is_split(self) -> bool:
@@ -60,7 +65,7 @@ class Shard:
         return tuple(index)
 
     def gather(self, local: Tensor, group) -> Tensor:
-        """The full tensor from every tp rank's part (a collective over `group` when split)."""
+        """The full tensor from every rank's part (a collective over `group`, the process group of self.group)."""
         if not self.is_split:
             return local
         from ..distributed.collectives import all_gather_along
@@ -71,12 +76,13 @@ class Shard:
         """A Parameter over `data` carrying Megatron's attributes when split (DeepSpeed counts such a parameter's
         shards once each in the gradient norm, replicated ones on tp rank 0 only)."""
         p = torch.nn.Parameter(data, requires_grad=requires_grad)
-        if self.is_split:
+        if self.is_split and self.group == "tp":
             p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, self.dim, 1
         return p
 
 
 REPLICATED = Shard()
+EXPERT_SHARD = Shard(0, "expert", "ep")
 _SPLIT0, _SPLIT1, _VOCAB0, _KV = Shard(0, "split"), Shard(1, "split"), Shard(0, "vocab"), Shard(None, "kv_replicated")
 # TP plan style -> {parameter attribute -> Shard}; a style or attribute not listed is replicated
 STYLE_PARAM_SHARDS: dict[str, dict[str, Shard]] = {
@@ -85,6 +91,7 @@ STYLE_PARAM_SHARDS: dict[str, dict[str, Shard]] = {
     "vocab_embedding": {"weight": _VOCAB0},
     "vocab_lm_head": {"weight": _VOCAB0, "bias": _VOCAB0},
     "colwise_kv_replicated": {"weight": _KV, "bias": _KV},
+    "ep_experts": {"*": EXPERT_SHARD},  # every parameter of a HF experts module (gate_up_proj, down_proj, ...)
 }
 
 
@@ -110,7 +117,8 @@ class ShardSpec(Mapping):
         for name in names:
             module, _, attr = name.rpartition(".")
             style = style_of(compiled, module)
-            entries[name] = STYLE_PARAM_SHARDS.get(style, {}).get(attr, REPLICATED)
+            rule = STYLE_PARAM_SHARDS.get(style, {})
+            entries[name] = rule.get(attr, rule.get("*", REPLICATED))
         return cls(entries)
 
     @classmethod
@@ -120,7 +128,8 @@ class ShardSpec(Mapping):
         entries = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             split = getattr(p, "tensor_model_parallel", False)
-            entries[name] = Shard(p.partition_dim, "split") if split else REPLICATED
+            expert = getattr(p, "expert_parallel", False)  # set by moe.apply on ep-sharded expert tensors
+            entries[name] = EXPERT_SHARD if expert else Shard(p.partition_dim, "split") if split else REPLICATED
         return cls(entries)
 
     def __getitem__(self, name: str) -> Shard:
@@ -135,8 +144,10 @@ class ShardSpec(Mapping):
     def get(self, name: str, default: Shard = REPLICATED) -> Shard:  # noqa: D401 - Mapping.get with our default
         return self._entries.get(name, default)
 
-    def split_names(self) -> list[str]:
-        return [n for n, s in self._entries.items() if s.is_split]
+    def split_names(self, group: Optional[str] = None) -> list[str]:
+        """Names of split parameters (over `group` only, when given)."""
+        return [n for n, s in self._entries.items() if s.is_split and group in (None, s.group)]
 
     def __repr__(self) -> str:
-        return f"ShardSpec({len(self)} parameters, {len(self.split_names())} split over tp)"
+        return (f"ShardSpec({len(self)} parameters, {len(self.split_names('tp'))} split over tp, "
+                f"{len(self.split_names('ep'))} over ep)")

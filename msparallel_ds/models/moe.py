@@ -1,0 +1,89 @@
+"""The mixture-of-experts families: HF Qwen3-MoE, Qwen2-MoE and Mixtral (a Llama-shaped decoder whose MLP is, on
+its MoE layers, a sparse block: router `mlp.gate` [E, H] -> top-k -> `mlp.experts` with fused expert tensors
+gate_up_proj [E, 2I, H] and down_proj [E, H, I]; Qwen2-MoE adds a gated `shared_expert`).
+
+Attention, norms, embedding and head are the Llama family's (models/llama.py). What differs:
+- the experts are split over the ep group, not over tp (MindFormers mcore / Megatron-Core: EP folds tp in), so the
+  HF tp plan's expert entries are dropped and `ep_plan` marks them (style ep_experts, shard spec: expert dim 0);
+- with tp > 1 the MoE block runs on this rank's sequence slice (sequence parallel is required, as MindFormers
+  requires it): no all-gather before it; the router and shared experts are replicated over tp with their grads
+  summed over tp (style sequence_parallel), like the norms;
+- dense layers (mlp_only_layers, decoder_sparse_step) keep the Llama MLP plan.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import nn
+
+from .base import LayerParts
+from .llama import LlamaFamily
+
+__all__ = ["MoEFamily"]
+
+# submodules of a MoE block that are replicated over tp (everything but the routed experts)
+_REPLICATED_IN_BLOCK = ("gate", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
+                        "shared_expert_gate")
+
+
+class MoEFamily(LlamaFamily):
+    architectures = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+    model_types = ("qwen3_moe", "qwen2_moe", "mixtral")
+    mindformers_names = {
+        **LlamaFamily.mindformers_names,
+        "mlp.gate": ["feed_forward.router", "feed_forward.router.dense"],
+        "mlp.experts": ["feed_forward.routed_experts", "feed_forward.ffn"],
+        "mlp.shared_expert": ["feed_forward.shared_experts"],
+        "mlp.shared_expert.act_fn": ["feed_forward.shared_experts.mul", "feed_forward.shared_experts.w1.activation"],
+        "mlp.shared_expert_gate": ["feed_forward.shared_experts_gate"],
+    }
+
+    # ------------------------------------------------------------------------------------------ experts
+    @staticmethod
+    def num_experts(config: Any) -> int:
+        for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+            value = getattr(config, key, None)
+            if value:
+                return int(value)
+        return 0
+
+    def moe_layers(self, config: Any) -> list[int]:
+        """Indices of the decoder layers whose MLP is a sparse MoE block (HF's own rule per family)."""
+        n = config.num_hidden_layers
+        if not self.num_experts(config):
+            return []
+        if config.model_type == "mixtral":
+            return list(range(n))
+        dense = set(getattr(config, "mlp_only_layers", None) or ())
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+
+    def experts_of(self, layer: nn.Module) -> Optional[nn.Module]:
+        """The layer's routed-experts module, or None on a dense layer."""
+        return getattr(getattr(layer, "mlp", None), "experts", None)
+
+    def ep_plan(self, config: Any) -> dict[str, str]:
+        """Module pattern -> style for expert parallel: the routed experts of every MoE layer."""
+        return {f"{self.prefix}.layers.{i}.mlp.experts": "ep_experts" for i in self.moe_layers(config)}
+
+    # ------------------------------------------------------------------------------------------ tensor parallel
+    def tp_plan(self, config: Any, tp: int, *, sequence_parallel: bool = False,
+                vocab_parallel: bool = False) -> dict[str, str]:
+        moe = self.moe_layers(config)
+        if moe and tp > 1 and not sequence_parallel:
+            raise ValueError(f"parallel_config.use_seq_parallel=False with model_parallel={tp} on a mixture-of-experts "
+                             f"model ({config.model_type}): MoE layers with model_parallel > 1 need sequence parallel "
+                             "(MindFormers' check_rules and Megatron-Core both require it; each tp rank routes its own "
+                             "sequence slice). Set parallel_config.use_seq_parallel: true")
+        plan = super().tp_plan(config, tp, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
+        plan = {p: s for p, s in plan.items() if ".experts" not in p}  # experts: ep, never tp (mcore folding)
+        if not moe:
+            return plan
+        layers = f"{self.prefix}.layers"
+        first = {f"{layers}.{i}.mlp": "sequence_parallel" for i in moe}  # the block runs on the sequence slice
+        first.update({f"{layers}.{i}.mlp.{name}": "sequence_parallel" for i in moe for name in _REPLICATED_IN_BLOCK})
+        return {**first, **plan}  # first match wins: these precede the dense layers' `layers.*.mlp` entries
+
+    # ------------------------------------------------------------------------------------------ interleave
+    def layer_parts(self, layer: nn.Module) -> Optional[LayerParts]:
+        return None if self.experts_of(layer) is not None else super().layer_parts(layer)

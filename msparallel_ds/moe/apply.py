@@ -1,0 +1,65 @@
+"""Expert parallel applied to a model part (parallelize's step after tensor parallel).
+
+Every MoE layer's routed experts become an ExpertParallelExperts over layout.group("ep") holding E/ep experts; their
+parameters are marked for the gradient reduction over the expert-data-parallel group "edp" (the dp*cp*tp/ep ranks
+holding the same experts): DeepSpeed's ZeRO reads `allreduce=False` / `group_name` (moe.deepspeed registers our
+groups under that name), the pipeline engine and the global-norm clip read `expert_parallel`.
+With ep = 1 the experts stay whole; under tp (sequence parallel) each tp rank feeds them its own sequence slice, so
+their grads are summed over tp like the norms'.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from torch import nn
+
+from .dispatch import ExpertParallelExperts, expert_group_name
+
+if TYPE_CHECKING:
+    from ..distributed.layout import ParallelLayout
+    from ..models.base import DecoderAdapter
+
+__all__ = ["apply_ep", "expert_parameters", "is_expert_parameter"]
+
+
+def is_expert_parameter(p: nn.Parameter) -> bool:
+    return getattr(p, "expert_parallel", False)
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if is_expert_parameter(p)]
+
+
+def _no_experts(part: nn.Module, ep: int) -> ValueError:
+    config = getattr(part, "config", None)
+    return ValueError(f"parallel_config.expert_parallel={ep} but {type(part).__name__} "
+                      f"(model_type={getattr(config, 'model_type', None)!r}) has no mixture-of-experts layers: set "
+                      "expert_parallel: 1, or train a MoE model (Qwen3-MoE, Qwen2-MoE, Mixtral)")
+
+
+def apply_ep(part: nn.Module, layout: ParallelLayout, adapter: Optional[DecoderAdapter],
+             capacity=None) -> dict[str, str]:
+    """Shard `part`'s experts over ep in place; returns the ep plan applied ({} when ep == 1 and no capacity)."""
+    ep, tp = layout.size("ep"), layout.size("tp")
+    plan = adapter.ep_plan(part.config) if adapter is not None and hasattr(adapter, "ep_plan") else {}
+    if not plan:
+        if ep > 1:
+            raise _no_experts(part, ep)
+        return {}
+    name = expert_group_name(layout)
+    for _, layer in adapter.layer_items(part):
+        experts = adapter.experts_of(layer)
+        if experts is None:
+            continue
+        if ep > 1 or capacity is not None:
+            experts = ExpertParallelExperts(experts, layout, capacity)
+            layer.mlp.experts = experts
+        if ep > 1:
+            for p in experts.parameters(recurse=False):
+                p.expert_parallel, p.allreduce, p.group_name = True, False, name
+        elif tp > 1:
+            from ..tensor_parallel.apply import grad_allreduce
+
+            grad_allreduce(experts, layout.group("tp"))
+    return plan if ep > 1 else {}
+
