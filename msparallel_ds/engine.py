@@ -54,6 +54,10 @@ class Engine:
         # size; ZeRO-3 runs with cp = 1 only): the loss is pre-multiplied by it, so the update is d(sum of token
         # losses) / N.
         self._grad_divisor = layout.size("dp")
+        # ZeRO-0 with expert parallel: the true global norm is ours (runtime.deepspeed_config turned DeepSpeed's off)
+        self._own_norm: Optional[float] = None
+        self._own_clip = (plan.gradient_clipping if layout.size("ep") > 1 and ds_engine.zero_optimization_stage() == 0
+                          and not ds_engine.gradient_clipping() else None)
 
     @property
     def model(self) -> nn.Module:
@@ -104,11 +108,13 @@ class Engine:
 
                 loss = copy_loss_terms(self._token_loss_sum, logits, targets, labels[rows], interleave.copies)
                 self.ds.backward(loss / self.gradient_accumulation_steps, scale_wrt_gas=False)
+                self._clip_before_step(m)
                 self.ds.step()
                 total += loss.detach().float()
                 continue
             loss_sum = self._token_loss_sum(logits, targets)
             self.ds.backward(loss_sum * (self._grad_divisor / n_tokens), scale_wrt_gas=False)
+            self._clip_before_step(m)
             self.ds.step()
             total += loss_sum.detach().float()
         sum_over(self.layout, "dp_cp", total)
@@ -116,6 +122,21 @@ class Engine:
         if summed_copies:  # MindFormers logs the summed loss / N; averaged over dp ranks and micro-batches
             return total / (dp * self.gradient_accumulation_steps * interleave.copies)
         return total / n_tokens
+
+    def _clip_before_step(self, micro: int) -> None:
+        if self._own_clip and micro == self.gradient_accumulation_steps - 1:  # grads are reduced at the boundary
+            from .distributed.collectives import clip_grad_norm_
+
+            params = [p for p in self.model.parameters() if p.requires_grad and p.grad is not None]
+            self._own_norm = float(clip_grad_norm_(params, self._own_clip, self.layout, device=self.device))
+
+    @property
+    def global_grad_norm(self) -> Optional[float]:
+        """The last step's global gradient norm before clipping (None when no clipping ran)."""
+        if self._own_clip:
+            return self._own_norm
+        norm = self.ds.get_global_grad_norm()
+        return None if norm is None else float(norm)
 
     # ------------------------------------------------------------------------------------------ weights
     def _zero3_gathered(self):

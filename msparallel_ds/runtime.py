@@ -69,6 +69,16 @@ def deepspeed_config(plan, layout: ParallelLayout, *, overrides: Optional[Mappin
             "averages gradients over dp x cp inconsistently with a sequence-parallel mpu (measured: wrong updates). "
             "Use level1 or level2 (ZeRO-1/2) with model_parallel/context_parallel > 1, or level3 with data_parallel "
             "only")
+    if layout.size("ep") > 1:
+        if stage == 3:
+            raise ValueError(
+                f"parallel_config.expert_parallel={layout.size('ep')} with optimizer_level=level3 (ZeRO-3): DeepSpeed "
+                "0.19's ZeRO-3 does not partition expert-parallel parameters over their expert-data-parallel group; "
+                "use level1 or level2 (expert optimizer states are then sharded over that group)")
+        if stage == 0 and ds.get("gradient_clipping"):
+            # DeepSpeed's ZeRO-0 clip averages per-rank norms over dp, which differ when experts do: the engine
+            # clips with the true global norm itself (distributed.collectives.clip_grad_norm_)
+            ds["gradient_clipping"] = 0.0
     ds.update(overrides or {})
     return ds
 

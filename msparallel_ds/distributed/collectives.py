@@ -153,16 +153,25 @@ def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, layou
 
     Global over the model's shards: tp-sharded parameters (attribute tensor_model_parallel) count on every tp rank,
     replicated ones on tp rank 0 only, and the squares are summed over "pp_tp" (the stages and tp shards of one
-    replica; grads must already be summed over dp_cp). Every param must have a grad. `device`: where the norm is
-    computed (default: the first grad's)."""
+    replica; grads must already be summed over dp_cp). Expert-parallel parameters (attribute expert_parallel; their
+    grads already summed over edp) are distinct per ep rank: their squares are summed over "ep" (all of a stage's
+    experts) and then counted once per stage, on tp rank 0. Every param must have a grad. `device`: where the norm
+    is computed (default: the first grad's)."""
     params = list(params)
     if device is None:
         device = params[0].grad.device if params else torch.device("cpu")
     tp_rank0 = layout.rank("tp") == 0
     sq = torch.zeros((), dtype=torch.float32, device=device)
+    expert_sq = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
-        if getattr(p, "tensor_model_parallel", False) or tp_rank0:
+        if getattr(p, "expert_parallel", False):
+            expert_sq += p.grad.detach().float().pow(2).sum()
+        elif getattr(p, "tensor_model_parallel", False) or tp_rank0:
             sq += p.grad.detach().float().pow(2).sum()
+    if layout.size("ep") > 1:
+        sum_over(layout, "ep", expert_sq)
+    if tp_rank0:
+        sq += expert_sq
     sum_over(layout, "pp_tp", sq)
     norm = sq.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

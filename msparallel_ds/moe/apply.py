@@ -3,7 +3,9 @@
 Every MoE layer's routed experts become an ExpertParallelExperts over layout.group("ep") holding E/ep experts; their
 parameters are marked for the gradient reduction over the expert-data-parallel group "edp" (the dp*cp*tp/ep ranks
 holding the same experts): DeepSpeed's ZeRO reads `allreduce=False` / `group_name` (moe.deepspeed registers our
-groups under that name), the pipeline engine and the global-norm clip read `expert_parallel`.
+groups under that name), the pipeline engine and the global-norm clip read `expert_parallel`, and
+`tensor_model_parallel` makes DeepSpeed's gradient norm count them on every tp rank (they differ across tp ranks
+when ep folds tp; ZeRO partitions them over edp, so each expert element is counted once).
 With ep = 1 the experts stay whole; under tp (sequence parallel) each tp rank feeds them its own sequence slice, so
 their grads are summed over tp like the norms'.
 """
@@ -57,6 +59,8 @@ def apply_ep(part: nn.Module, layout: ParallelLayout, adapter: Optional[DecoderA
         if ep > 1:
             for p in experts.parameters(recurse=False):
                 p.expert_parallel, p.allreduce, p.group_name = True, False, name
+                # distinct on every tp rank when ep folds tp: DeepSpeed's norm then counts them on each tp rank
+                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
         elif tp > 1:
             from ..tensor_parallel.apply import grad_allreduce
 

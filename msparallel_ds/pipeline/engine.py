@@ -139,7 +139,10 @@ class PipelineEngine:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        all_reduce_flat([p.grad for p in params], self.layout, "dp_cp")
+        experts = [p.grad for p in params if getattr(p, "expert_parallel", False)]
+        all_reduce_flat([p.grad for p in params if not getattr(p, "expert_parallel", False)], self.layout, "dp_cp")
+        if experts:  # each expert lives on the edp ranks only (moe.apply)
+            all_reduce_flat(experts, self.layout, "edp")
         clip = self.plan.gradient_clipping
         if clip:
             clip_grad_norm_(params, clip, self.layout, device=self.device)
