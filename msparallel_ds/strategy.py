@@ -57,7 +57,14 @@ class Options:
     @classmethod
     def from_plan(cls, plan: Any) -> Options:
         get = lambda name, default: getattr(plan, name, default)  # noqa: E731 - a bare plan stand-in is fine
-        return cls(sequence_parallel=bool(get("sequence_parallel", False)),
+        moe, capacity = get("moe", None), None
+        if moe is not None and moe.capacity_factor:
+            from .moe.capacity import Capacity
+
+            # legacy MindFormers rounds the capacity up to a multiple of model_parallel
+            round_to = plan.mesh.tp if moe.source == "moe_config" else 1
+            capacity = Capacity(moe.capacity_factor, moe.drop_policy, round_to)
+        return cls(capacity=capacity, sequence_parallel=bool(get("sequence_parallel", False)),
                    vocab_parallel=bool(get("vocab_parallel", False)), cp_algo=get("cp_algo", None),
                    recompute=get("recompute", None), activation_offload=get("activation_offload", None),
                    interleave=Interleave(get("micro_batch_interleave_num", 1), get("fine_grain_interleave", 1)))
@@ -127,6 +134,11 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
         plan = adapter.tp_plan(part.config, tp, sequence_parallel=options.sequence_parallel,
                                vocab_parallel=options.vocab_parallel)
         apply_tp(part, layout, adapter, plan)
+    settings = getattr(getattr(layout, "plan", None), "moe", None)
+    if ep > 1 or settings is not None:
+        from .moe.settings import check_model
+
+        check_model(settings, part.config, ep)  # the YAML's MoE keys vs the HF model
     ep_plan = apply_ep(part, layout, adapter, options.capacity)
     spec = ShardSpec.from_plan({**plan, **ep_plan}, names)
     cp_algo = None

@@ -47,7 +47,8 @@ def target_spec(hf_config, adapter, names, tp: int, vocab_parallel: bool):
     names = list(names)
     if tp == 1:
         return ShardSpec({})
-    plan = adapter.tp_plan(hf_config, tp, sequence_parallel=False, vocab_parallel=vocab_parallel)
+    # sequence parallel moves activations, never parameters (and MoE families require it with tp > 1)
+    plan = adapter.tp_plan(hf_config, tp, sequence_parallel=True, vocab_parallel=vocab_parallel)
     spec = ShardSpec.from_plan(plan, names)
     if not spec.split_names():
         raise ValueError(f"the TP plan for model_parallel={tp} matches no parameter of the checkpoint (names like "

@@ -117,6 +117,49 @@ def _read(handle, key: str, local_shape, shard: Shard, layout: ParallelLayout) -
     return sl[shard.index(local, tp, tp_rank)]
 
 
+class _OriginalFormat:
+    """HF's original (hub) checkpoint names for a model family whose modules fuse them (MoE experts): the adapter
+    says which keys make up a fused tensor; this rank reads only its own experts' keys."""
+
+    def __init__(self, model: nn.Module, adapter):
+        self.config, self.adapter = model.config, adapter
+
+    def alias(self, name: str, files) -> Optional[str]:
+        key = self.adapter.checkpoint_alias(name, self.config)
+        return key if key in files else None
+
+    def experts(self, name: str, files, handles, spec: ShardSpec, layout: ParallelLayout):
+        """(this rank's part of fused expert tensor `name`, every expert's keys), or None if the checkpoint lacks
+        any of them; only this rank's experts are read."""
+        total = self.adapter.num_experts(self.config)
+        shard = spec.get(name)
+        n = layout.size(shard.group) if shard.is_split else 1
+        first = (layout.rank(shard.group) if shard.is_split else 0) * (total // n)
+        sources = self.adapter.checkpoint_sources(name, self.config, range(total))
+        if not sources or not all(k in files for keys in sources for k in keys):
+            return None
+        local = sources[first:first + total // n]
+        stacked = torch.stack([torch.cat([handles[files[k]].get_tensor(k) for k in keys]) for keys in local])
+        return stacked, {k for keys in sources for k in keys}
+
+
+def _original_format(model: nn.Module) -> Optional[_OriginalFormat]:
+    from ..models import adapter_for
+
+    try:
+        adapter = adapter_for(model)
+    except ValueError:
+        return None
+    return _OriginalFormat(model, adapter) if hasattr(adapter, "checkpoint_sources") else None
+
+
+def _checked(data: Tensor, name: str, local_shape) -> Tensor:
+    if tuple(data.shape) != tuple(local_shape):
+        raise ValueError(f"checkpoint tensors for {name!r} assemble to shape {tuple(data.shape)} but the model expects "
+                         f"{tuple(local_shape)} on this rank")
+    return data
+
+
 def _new_param(old: nn.Parameter, data: Tensor) -> nn.Parameter:
     """A real Parameter takes the data in place (same object: optimizers and hooks keep it). A meta one cannot
     (set_data rejects meta -> real), so a new Parameter carries over what tp_parallelize put on the old one:
@@ -196,16 +239,26 @@ def load_sharded_checkpoint(model: nn.Module, checkpoint_dir: str | os.PathLike,
     spec = ShardSpec.of_module(model) if spec is None else spec  # before the loaded Parameters replace the meta ones
     files = _weight_files(checkpoint_dir)
     names, tensors, transient = _named_tensors(model)
-    missing = []
+    missing, consumed = [], set()
+    original = _original_format(model)
     with ExitStack() as stack:
         handles = {path: stack.enter_context(safe_open(path, "pt")) for path in sorted(set(files.values()))}
         for ident, tensor_names in names.items():
-            key = next((n for n in tensor_names if n in files), None)
-            if key is None:
-                missing.extend(tensor_names)
-                continue
             old = tensors[ident]
-            data = _read(handles[files[key]], key, old.shape, spec.get(key), layout)
+            key = next((n for n in tensor_names if n in files), None)
+            if key is None and original is not None:
+                key = original.alias(tensor_names[0], files)
+            if key is None:
+                data = original.experts(tensor_names[0], files, handles, spec, layout) if original else None
+                if data is None:
+                    missing.extend(tensor_names)
+                    continue
+                consumed.update(data[1])
+                data = _checked(data[0], tensor_names[0], old.shape)
+            else:
+                consumed.add(key)
+                shard = spec.get(key if key in tensor_names else tensor_names[0])  # an alias has the model's name
+                data = _read(handles[files[key]], key, old.shape, shard, layout)
             # safetensors' tensors are views of the mmapped file (storage = the whole tensor): copy out the shard
             data = data.to(device=device, dtype=dtype if dtype is not None and data.is_floating_point() else None,
                            memory_format=torch.contiguous_format, copy=True)
@@ -214,7 +267,7 @@ def load_sharded_checkpoint(model: nn.Module, checkpoint_dir: str | os.PathLike,
                 _set_tensor(model, n, new)
     missing = _tie_output_embedding(model, spec, missing)
     ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
-    known = {n for group in names.values() for n in group} | transient
+    known = {n for group in names.values() for n in group} | transient | consumed
     unexpected = [k for k in files if k not in known and not any(p.search(k) for p in ignore)]
     if strict and (missing or unexpected):
         raise ValueError(f"checkpoint {checkpoint_dir} does not match the model: missing keys {missing} (the model's "

@@ -32,7 +32,7 @@ def gather(t: Tensor, shard: Shard, layout: ParallelLayout) -> Tensor:
 def fit(t: Tensor, shard: Shard, layout: ParallelLayout, sliced: bool, shape) -> Tensor:
     """This rank's part (over the shard's group) of checkpoint tensor `t` (a full tensor, or already this rank's when `sliced`), checked
     against the parameter's local `shape`: a checkpoint of another model is one clear error, not a wrong copy."""
-    if not sliced:
+    if not sliced or shard.group != "tp":  # convert-checkpoint slices over tp only; experts are cut here
         t = shard.local(t, layout.size(shard.group), layout.rank(shard.group))
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"checkpoint tensor of shape {tuple(t.shape)} does not fit parameter of shape "
@@ -78,8 +78,8 @@ def gather_pipeline_state_dict(view: nn.Module, layout: ParallelLayout, *, spec:
                                rank0_only: bool = True) -> Optional[dict[str, Tensor]]:
     """HF-keyed full state dict from every rank's stage view (pipeline stages keep HF names); None off global rank 0
     when rank0_only."""
-    if rank0_only and layout.rank("dp_cp") != 0:
-        return None
+    if rank0_only and layout.rank("dp_cp") != 0 and layout.rank("edp") != 0:
+        return None  # the experts of dp_cp rank 0's ep group also live on its ep peers (edp rank 0): they gather too
     local = gather_state_dict(view, layout, ShardSpec.of_module(view) if spec is None else spec, keep=True)
     return merge_over_pp(local, layout, rank0_only)
 
@@ -92,6 +92,6 @@ def gather_full_state_dict(model: nn.Module, layout: ParallelLayout, *, spec: Op
     if layout.size("pp") > 1:
         return gather_pipeline_state_dict(model, layout, spec=spec, rank0_only=rank0_only)
     keep = not rank0_only or layout.global_rank == 0
-    if not keep and 0 not in layout.ranks("tp"):
-        return None  # no rank of this tp group keeps anything: skip the collectives
+    if not keep and 0 not in layout.ranks("tp") and 0 not in layout.ranks("ep"):
+        return None  # no rank of this tp (or ep) group keeps anything: skip the collectives
     return gather_state_dict(model, layout, ShardSpec.of_module(model) if spec is None else spec, keep)

@@ -84,6 +84,28 @@ class MoEFamily(LlamaFamily):
         first.update({f"{layers}.{i}.mlp.{name}": "sequence_parallel" for i in moe for name in _REPLICATED_IN_BLOCK})
         return {**first, **plan}  # first match wins: these precede the dense layers' `layers.*.mlp` entries
 
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def checkpoint_sources(self, name: str, config: Any, experts: range) -> Optional[list[list[str]]]:
+        """HF's original (hub) format stores one matrix per expert (transformers fuses them on load and splits them
+        on save): for a fused expert tensor `name`, per expert in `experts` the keys whose rows concatenate (dim 0)
+        into that expert's slice; None for any other name. Mixtral's original keys live under block_sparse_moe with
+        w1 (gate), w3 (up), w2 (down)."""
+        base, _, attr = name.rpartition(".")
+        if not base.endswith(".mlp.experts") or attr not in ("gate_up_proj", "down_proj"):
+            return None
+        if config.model_type == "mixtral":
+            base = base[: -len(".mlp.experts")] + ".block_sparse_moe.experts"
+            parts = ("w1", "w3") if attr == "gate_up_proj" else ("w2",)
+        else:
+            parts = ("gate_proj", "up_proj") if attr == "gate_up_proj" else ("down_proj",)
+        return [[f"{base}.{e}.{part}.weight" for part in parts] for e in experts]
+
+    def checkpoint_alias(self, name: str, config: Any) -> Optional[str]:
+        """The original-format key of a non-expert tensor stored under another name (Mixtral's block_sparse_moe)."""
+        if config.model_type == "mixtral" and ".mlp." in name:
+            return name.replace(".mlp.", ".block_sparse_moe.", 1)
+        return None
+
     # ------------------------------------------------------------------------------------------ interleave
     def layer_parts(self, layer: nn.Module) -> Optional[LayerParts]:
         return None if self.experts_of(layer) is not None else super().layer_parts(layer)

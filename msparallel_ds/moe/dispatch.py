@@ -70,7 +70,7 @@ class ExpertParallelExperts(nn.Module):
             if getattr(self.hf_experts, name) is not p:
                 setattr(self.hf_experts, name, p)
         if self.capacity is not None:
-            top_k_index, top_k_weights = self.capacity(top_k_index, top_k_weights)
+            top_k_index, top_k_weights = self.capacity(top_k_index, top_k_weights, self.num_experts)
         tokens, hidden = hidden_states.shape
         k = top_k_index.shape[-1]
         expert = top_k_index.reshape(-1)

@@ -78,6 +78,13 @@ def _build_optimizer(params: list, optimizer, plan, layout: ParallelLayout) -> t
     if zero and layout.size("dp_cp") > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
+        if layout.size("ep") > 1:
+            raise ValueError(
+                f"parallel.enable_parallel_optimizer=True with pipeline_stage={layout.size('pp')} and "
+                f"parallel_config.expert_parallel={layout.size('ep')}: the pipeline engine's optimizer parallel "
+                "(torch ZeroRedundancyOptimizer over data_parallel x context_parallel) would overwrite the experts, "
+                "which differ across those ranks. Set parallel.enable_parallel_optimizer: false with pipeline "
+                "stages, or pipeline_stage: 1 (DeepSpeed ZeRO-1/2 shards expert states over their own group)")
         return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=layout.group("dp_cp"), **defaults)
     return cls(params, **defaults)
 
