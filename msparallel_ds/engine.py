@@ -56,6 +56,9 @@ class Engine:
         self._grad_divisor = layout.size("dp")
         # ZeRO-0 with expert parallel: the true global norm is ours (runtime.deepspeed_config turned DeepSpeed's off)
         self._own_norm: Optional[float] = None
+        self.last_aux_loss: Optional[float] = None  # the router's aux + z loss of the last step (logged apart)
+        if applied.aux_loss is not None:  # DeepSpeed divides by dp; micro-batches are averaged like the LM loss
+            applied.aux_loss.scale = layout.size("dp") / self.gradient_accumulation_steps
         self._own_clip = (plan.gradient_clipping if layout.size("ep") > 1 and ds_engine.zero_optimization_stage() == 0
                           and not ds_engine.gradient_clipping() else None)
 
@@ -93,6 +96,7 @@ class Engine:
 
         ids, labels = self._check_batch(batch)
         dp = self.layout.size("dp")
+        self._aux_sum = torch.zeros((), dtype=torch.float32)
         n_tokens = global_token_count(labels, self.layout, self.device)
         self.model.train()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -117,11 +121,26 @@ class Engine:
             self._clip_before_step(m)
             self.ds.step()
             total += loss_sum.detach().float()
+            self._aux_sum = self._aux_sum + self._pop_aux()
         sum_over(self.layout, "dp_cp", total)
+        self._log_aux_loss()
         self.global_steps += 1
         if summed_copies:  # MindFormers logs the summed loss / N; averaged over dp ranks and micro-batches
             return total / (dp * self.gradient_accumulation_steps * interleave.copies)
         return total / n_tokens
+
+    def _pop_aux(self) -> Tensor:
+        aux = self.applied.aux_loss
+        return aux.pop_total().float().cpu() if aux is not None else torch.zeros(())
+
+    def _log_aux_loss(self) -> None:
+        """Every shard's share summed over dp x cp x tp, averaged over micro-batches (MindFormers logs it apart)."""
+        if self.applied.aux_loss is None:
+            return
+        t = self._aux_sum.to(self.device)
+        sum_over(self.layout, "dp_cp", t)
+        sum_over(self.layout, "tp", t)
+        self.last_aux_loss = float(t) / self.gradient_accumulation_steps
 
     def _clip_before_step(self, micro: int) -> None:
         if self._own_clip and micro == self.gradient_accumulation_steps - 1:  # grads are reduced at the boundary

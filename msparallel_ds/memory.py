@@ -14,12 +14,19 @@ Assumptions (stated so the numbers can be checked):
   min(micro_batch_num, pp) micro-batches in flight on the first stage (all of them for GPipe).
 - Logits: fp32 s*b*V (/t when vocab parallel) on the last stage. Buffers, fragmentation and communication
   scratch space are not counted.
+- MoE (plan.moe with an expert count; moe_plan.stage_params): MoE layers (all but the first first_k_dense_replace)
+  hold a router (E*h, replicated), shared experts (3*h*shared size, split over tp like the dense feed-forward) and
+  E/ep whole routed experts of 3*h*expert size each (moe_intermediate_size, else ffn). Expert weights, gradients and
+  optimizer state are ZeRO-sharded over the expert-data-parallel group (dp*cp*tp/ep) instead of dp x cp. The worst
+  rank is the pipeline stage with the most state bytes. MoE activations use the dense formula above.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Optional
+
+from .moe_plan import stage_params
 
 if TYPE_CHECKING:
     from .config.schema import ParallelConfig
@@ -38,6 +45,7 @@ class MemoryEstimate:
     activations_no_recompute_gib: float
     logits_gib: float
     total_gib: float
+    expert_params_per_rank: int = 0  # routed-expert parameters among params_per_rank
 
     def as_dict(self) -> dict:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -51,9 +59,13 @@ def param_counts(cfg: "ParallelConfig") -> Optional[tuple[int, int]]:
     h = m.hidden_size
     head_dim = h // m.num_heads
     kv = m.kv_heads * head_dim
-    ffn = m.ffn_hidden_size or 256 * math.ceil(8 * h / 3 / 256)
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * ffn_size(cfg) + 2 * h
     return per_layer, m.vocab_size * h
+
+
+def ffn_size(cfg: "ParallelConfig") -> int:
+    """The dense feed-forward size: ffn_hidden_size, or 8h/3 rounded up to 256."""
+    return cfg.model.ffn_hidden_size or 256 * math.ceil(8 * cfg.model.hidden_size / 3 / 256)
 
 
 def estimate_memory(plan: "Plan") -> Optional[MemoryEstimate]:
@@ -69,13 +81,20 @@ def estimate_memory(plan: "Plan") -> Optional[MemoryEstimate]:
     vocab_split = t if plan.vocab_parallel else 1
     # pp == 1: embedding and head both here (head untied); pp > 1: one of them on the worst stage
     embed_params = embed * (2 if p == 1 else 1) // vocab_split
-    params = stage_layers * per_layer // t + embed_params
     wbytes = 2 if plan.compute_dtype in ("bf16", "fp16") else 4
     obytes = 12 if wbytes == 2 else 8
-    z, shard = plan.zero.stage, mesh.dp * mesh.cp
-    weights = params * wbytes / (shard if z >= 3 else 1)
-    grads = params * wbytes / (shard if z >= 2 else 1)
-    optim = params * obytes / (shard if z >= 1 else 1)
+    z, shard, edp = plan.zero.stage, mesh.dp * mesh.cp, plan.expert_data_parallel
+
+    def states(params: int, experts: int) -> tuple[float, float, float]:  # weights, grads, optimizer (bytes)
+        return tuple(n * (params / (shard if z >= level else 1) + experts / (edp if z >= level else 1))
+                     for n, level in ((wbytes, 3), (wbytes, 2), (obytes, 1)))
+
+    stages = stage_params(plan, per_layer, ffn_size(cfg))
+    if stages is None:
+        params, experts = stage_layers * per_layer // t + embed_params, 0
+    else:
+        params, experts = max(((d + embed_params, e) for d, e in stages), key=lambda pe: sum(states(*pe)))
+    weights, grads, optim = states(params, experts)
 
     s = m.seq_length // mesh.cp
     b = plan.micro_batch_size * plan.micro_batch_interleave_num
@@ -97,10 +116,10 @@ def estimate_memory(plan: "Plan") -> Optional[MemoryEstimate]:
     act = ((stage_layers - recomputed) * layer_act + recomputed * layer_ckpt) * in_flight
     logits = 4 * s * b * m.vocab_size / vocab_split
     total = weights + grads + optim + act + logits
-    return MemoryEstimate(params_per_rank=int(params), weights_gib=weights / GIB, grads_gib=grads / GIB,
+    return MemoryEstimate(params_per_rank=int(params + experts), weights_gib=weights / GIB, grads_gib=grads / GIB,
                           optimizer_gib=optim / GIB, activations_gib=act / GIB,
                           activations_no_recompute_gib=no_recompute / GIB, logits_gib=logits / GIB,
-                          total_gib=total / GIB)
+                          total_gib=total / GIB, expert_params_per_rank=int(experts))
 
 
 _SHAPE_KEYS = ("num_layers", "num_heads", "hidden_size", "vocab_size", "seq_length")

@@ -15,6 +15,7 @@ from .config.errors import ConfigError, ConfigIssue
 from .config.rules import layers_per_stage, ulysses_degree, virtual_stages
 from .config.schema import ParallelConfig
 from .memory import MemoryEstimate, estimate_memory, missing_shape_note
+from .moe_plan import expert_data_parallel, moe_notes
 from .optim_plan import activation_offload_entry, lr_schedule_entry, optimizer_entry
 
 DEFAULT_SELECT = [r"feed_forward\.mul", r"feed_forward\.w1\.activation\.silu"]  # MindFormers' defaults
@@ -115,6 +116,8 @@ class Plan:
     notes: tuple[str, ...] = ()
     activation_offload: Any = None  # swap_config / cpu_offloading: "all" or the decoder layers whose activations
                                     # are kept on the host between forward and backward
+    moe: Any = None  # moe.settings.MoESettings (None: the YAML sets no MoE keys)
+    expert_data_parallel: int = 1  # edp = dp x cp x tp / expert_parallel (moe_plan.py)
 
     @property
     def zero_stage(self) -> int:
@@ -124,7 +127,8 @@ class Plan:
         return {
             "world_size": self.world_size,
             "mesh": self.mesh.as_dict(),
-            "expert_parallel": self.expert_parallel,
+            "expert_parallel": self.expert_parallel, "expert_data_parallel": self.expert_data_parallel,
+            "moe": self.moe.as_dict() if self.moe is not None else None,
             "global_batch_size": self.global_batch_size,
             "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
@@ -208,10 +212,10 @@ def make_plan(cfg: ParallelConfig | Any, world_size: Optional[int] = None) -> Pl
         param_dtype=DTYPE_SHORT[cfg.model.param_init_type], loss_scale=_loss_scale(cfg, notes),
         gradient_clipping=cfg.runner_wrapper.max_grad_norm if cfg.runner_wrapper.use_clip_grad else None,
         optimizer=optimizer_entry(cfg), lr_schedule=lr_schedule_entry(cfg), memory=None, notes=(),
-        activation_offload=activation_offload_entry(cfg, notes),
+        activation_offload=activation_offload_entry(cfg, notes), moe=cfg.moe,
+        expert_data_parallel=expert_data_parallel(cfg, mesh),
     )
-    if cfg.ep > 1:
-        notes.append(f"expert_parallel={cfg.ep} is recorded; MoE expert sharding is not built by msparallel_ds yet")
+    notes += moe_notes(cfg, mesh)
     if cfg.parallel.parallel_mode in ("auto_parallel", "hybrid_parallel"):
         notes.append(f"parallel_mode={cfg.parallel.parallel_mode}: the parallel_config degrees are used as given")
     memory = estimate_memory(plan)

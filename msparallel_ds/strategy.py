@@ -53,6 +53,7 @@ class Options:
     activation_offload: Any = None     # a Plan.activation_offload: "all" or global layer indices
     interleave: Interleave = field(default_factory=Interleave)
     capacity: Any = None               # moe.capacity rule (None: dropless)
+    aux_loss: Optional[dict] = None    # {"coeff", "scope", "z_coeff"} of the router's aux / z loss (moe.aux_loss)
 
     @classmethod
     def from_plan(cls, plan: Any) -> Options:
@@ -64,7 +65,9 @@ class Options:
             # legacy MindFormers rounds the capacity up to a multiple of model_parallel
             round_to = plan.mesh.tp if moe.source == "moe_config" else 1
             capacity = Capacity(moe.capacity_factor, moe.drop_policy, round_to)
-        return cls(capacity=capacity, sequence_parallel=bool(get("sequence_parallel", False)),
+        aux = (None if moe is None else
+               {"coeff": moe.aux_loss_coeff, "scope": moe.aux_loss_scope, "z_coeff": moe.z_loss_coeff})
+        return cls(capacity=capacity, aux_loss=aux, sequence_parallel=bool(get("sequence_parallel", False)),
                    vocab_parallel=bool(get("vocab_parallel", False)), cp_algo=get("cp_algo", None),
                    recompute=get("recompute", None), activation_offload=get("activation_offload", None),
                    interleave=Interleave(get("micro_batch_interleave_num", 1), get("fine_grain_interleave", 1)))
@@ -88,6 +91,7 @@ class Applied:
     interleave: Optional[Interleave]
     offloaded: tuple[str, ...] = ()  # decoder layers whose activations are kept on the host (swap_config)
     ep_plan: dict[str, str] = field(default_factory=dict)  # MoE experts split over ep ({} when ep == 1)
+    aux_loss: Any = None  # moe.aux_loss.AuxLoss when the YAML sets a load-balancing or z loss
 
     def output_head(self, part: nn.Module) -> Optional[nn.Module]:
         """The part's output head (vocab-parallel under vocab_emb_dp: false), for the engines' loss."""
@@ -139,7 +143,7 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
         from .moe.settings import check_model
 
         check_model(settings, part.config, ep)  # the YAML's MoE keys vs the HF model
-    ep_plan = apply_ep(part, layout, adapter, options.capacity)
+    ep_plan, aux_loss = apply_ep(part, layout, adapter, options.capacity, options.aux_loss)
     spec = ShardSpec.from_plan({**plan, **ep_plan}, names)
     cp_algo = None
     if layout.size("cp") > 1:
@@ -159,7 +163,7 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
     return Applied(layout=layout, adapter=adapter, tp_plan=plan, spec=spec,
                    sequence_parallel=bool(options.sequence_parallel and tp > 1),
                    vocab_parallel=bool(options.vocab_parallel and tp > 1), cp_algo=cp_algo, recompute=recompute,
-                   interleave=interleave, offloaded=offloaded, ep_plan=ep_plan)
+                   interleave=interleave, offloaded=offloaded, ep_plan=ep_plan, aux_loss=aux_loss)
 
 
 # models parallelized by msp.parallelize -> their record, for msp.initialize / accelerate / the Trainer

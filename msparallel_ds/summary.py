@@ -13,6 +13,8 @@ def _rows(plan: "Plan") -> list[tuple[str, str]]:
         ("world size", str(plan.world_size)),
         ("mesh (pp, dp, cp_ring, cp_ulysses, tp)", f"{m.pp} x {m.dp} x {m.cp_ring} x {m.cp_ulysses} x {m.tp}"),
         ("context parallel", f"{m.cp} ({plan.cp_algo})" if plan.cp_algo else "off"),
+        ("expert parallel (ep, expert dp)", f"ep {plan.expert_parallel}, edp {plan.expert_data_parallel} "
+         f"(= dp x cp x tp / ep)" if plan.expert_parallel > 1 or plan.moe is not None else "off"),
         ("sequence parallel", "on" if plan.sequence_parallel else "off"),
         ("vocab parallel", "on" if plan.vocab_parallel else "off"),
         ("global batch size", str(plan.global_batch_size)),
@@ -54,6 +56,9 @@ def _rows(plan: "Plan") -> list[tuple[str, str]]:
                   f"{f(mem.total_gib)} = weights {f(mem.weights_gib)} + grads {f(mem.grads_gib)} + optimizer "
                   f"{f(mem.optimizer_gib)} + activations {f(mem.activations_gib)} + logits {f(mem.logits_gib)}"),
                  ("activations without recompute", f"{f(mem.activations_no_recompute_gib)} {unit}")]
+        if mem.expert_params_per_rank:
+            rows.append(("params / rank (routed experts)", f"{mem.params_per_rank / 1e9:.2f}B "
+                         f"({mem.expert_params_per_rank / 1e9:.2f}B)"))
     return rows
 
 

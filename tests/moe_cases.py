@@ -36,19 +36,94 @@ def moe_model(kind="qwen3_moe", layers=2):
     return model.float()
 
 
-def moe_reference(kind, steps, rows, clip=1.0):
-    """Single process on the whole global batch: HF loss, AdamW, clip_grad_norm_. Returns (losses, state, norms)."""
+def drop_by_capacity(index, weights, num_experts, factor, policy):
+    """The capacity rule written plainly (loops), for one shard's tokens: per expert keep the ceil(k*T*f/E) (at most T)
+    choices with the highest weight ("probs", earlier token first on ties) or the first ones in token order
+    ("position"); the others get expert id E and weight 0."""
+    import math
+
+    tokens, k = index.shape
+    cap = min(math.ceil(k * tokens * factor / num_experts), tokens)
+    index, weights = index.clone(), weights.clone()
+    for e in range(num_experts):
+        slots = [(t, j) for t in range(tokens) for j in range(k) if index[t, j] == e]
+        if policy == "probs":
+            slots.sort(key=lambda tj: -float(weights[tj]))
+        for t, j in slots[cap:]:
+            index[t, j], weights[t, j] = num_experts, 0.0
+    return index, weights
+
+
+def _router_terms(model, rows, aux):
+    """Hooks that give the MindFormers aux + z loss of every MoE layer (moe.aux_loss's formula, written per row:
+    one row is one shard in the layouts tested) and, with a capacity, drop choices per row."""
+    import torch
+
+    terms = []
+
+    def hook(router, args, out):
+        logits, weights, index = out
+        e = logits.shape[-1]
+        per_row = logits.float().view(rows, -1, e)
+        probs = torch.softmax(per_row, -1).mean(1)  # [rows, E]
+        f = torch.stack([torch.bincount(index.view(rows, -1)[r], minlength=e).float() / index.view(rows, -1)[r].numel()
+                         for r in range(rows)])
+        if aux.get("scope") == "global_batch":
+            f = f.mean(0, keepdim=True).expand_as(f)
+        term = aux.get("coeff", 0.0) * e * (probs * f).sum(-1).mean()
+        term = term + aux.get("z_coeff", 0.0) * torch.logsumexp(per_row, -1).square().mean()
+        terms.append(term)
+        return out
+
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate") and hasattr(module, "top_k"):
+            module.register_forward_hook(hook)
+    return terms
+
+
+def _drop_per_row(model, rows, capacity):
+    # HF's default grouped_mm experts path does not skip the sentinel id (only its eager loop does, or grouped_mm
+    # marked expert-parallel); the engine never passes dropped choices to HF's experts, the reference uses the loop
+    model.config._experts_implementation = "eager"
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts"):
+            run = module.forward
+
+            def forward(hidden, index, weights, run=run, e=module.num_experts):
+                pieces = [drop_by_capacity(i, w, e, *capacity)
+                          for i, w in zip(index.chunk(rows), weights.chunk(rows))]
+                return run(hidden, torch_cat([p[0] for p in pieces]), torch_cat([p[1] for p in pieces]))
+
+            module.forward = forward
+
+
+def torch_cat(xs):
+    import torch
+
+    return torch.cat(xs)
+
+
+def moe_reference(kind, steps, rows, clip=1.0, aux=None, capacity=None):
+    """Single process on the whole global batch: HF loss (+ the routers' aux / z loss when `aux` is given), AdamW,
+    clip_grad_norm_; `capacity` = (factor, policy) drops choices per row. Returns (losses, state, norms, aux values)."""
     import torch
 
     model = moe_model(kind)
+    terms = _router_terms(model, rows, aux) if aux else []
+    if capacity:
+        _drop_per_row(model, rows, capacity)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
-    losses, norms = [], []
+    losses, norms, aux_values = [], [], []
     for step in range(steps):
         ids, labels = global_batch(step, rows)
+        terms.clear()
         loss = model(input_ids=ids, labels=labels).loss
+        aux_values.append(float(sum(terms)) if terms else None)
+        if terms:
+            loss = loss + sum(terms)
         opt.zero_grad()
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))))
         opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+        losses.append(loss.item() - (aux_values[-1] or 0.0))  # the LM loss (the engines log the aux apart)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, aux_values

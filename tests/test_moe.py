@@ -24,18 +24,43 @@ LAYOUTS = {  # name -> (model kind, tiny_config kwargs + ep / pp)
     "qwen2moe_dp2xtp2_sp_ep4_zero2": ("qwen2_moe", dict(dp=2, tp=2, sp=True, zero=2, ep=4)),
     "qwen3_dp2xcp2_ring_ep2_zero1": ("qwen3_moe", dict(dp=2, cp=2, ring=True, zero=1, ep=2)),
     "qwen2moe_tp2_sp_ep1_zero1": ("qwen2_moe", dict(dp=2, tp=2, sp=True, zero=1, ep=1)),
+    # MindFormers mcore MoE keys: aux loss (global-batch / sequence scope) + z-loss; capacity with token drops
+    "qwen3_dp4_ep4_gbs_aux_z": ("qwen3_moe", dict(dp=4, zero=2, ep=4, moe=dict(
+        moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="gbs_aux_loss", moe_z_loss_coeff=0.001))),
+    "qwen3_dp2xtp2_sp_ep2_seq_aux": ("qwen3_moe", dict(dp=2, tp=2, sp=True, zero=1, ep=2, moe=dict(
+        moe_aux_loss_coeff=0.02, moe_router_load_balancing_type="seq_aux_loss"))),
+    "mixtral_dp4_ep2_capacity_position": ("mixtral", dict(dp=4, zero=1, ep=2, moe=dict(
+        moe_expert_capacity_factor=1.0, moe_token_drop_policy="position", moe_aux_loss_coeff=0.0,
+        moe_router_load_balancing_type="seq_aux_loss"))),
+    "qwen3_dp4_ep2_capacity_probs": ("qwen3_moe", dict(dp=4, zero=0, ep=2, moe=dict(
+        moe_expert_capacity_factor=0.5, moe_token_drop_policy="probs", moe_router_load_balancing_type="gbs_aux_loss",
+        moe_aux_loss_coeff=0.001))),
 }
 GROUPS = {"a": ["qwen3_dp4_ep4_zero0", "qwen3_dp2xtp2_sp_ep2_zero1", "qwen3_dp2xcp2_ulysses_ep4_zero2",
                 "qwen2moe_tp2_sp_ep1_zero1"],
           "b": ["mixtral_dp4_ep2_zero1", "qwen3_pp2xdp2_ep2", "qwen2moe_dp2xtp2_sp_ep4_zero2",
-                "qwen3_dp2xcp2_ring_ep2_zero1"]}
+                "qwen3_dp2xcp2_ring_ep2_zero1"],
+          "c": ["qwen3_dp4_ep4_gbs_aux_z", "qwen3_dp2xtp2_sp_ep2_seq_aux", "mixtral_dp4_ep2_capacity_position",
+                "qwen3_dp4_ep2_capacity_probs"]}
 
 
-def moe_yaml(ep=1, pp=1, **kw):
-    """tiny_config with only parallel_config.expert_parallel (and pipeline_stage) added."""
+def _moe_keys(moe):
+    """The run's mcore MoE keys ({} = only expert_parallel set) and what the reference applies for them."""
+    aux = capacity = None
+    if moe:
+        scope = {"gbs_aux_loss": "global_batch", "seq_aux_loss": "sequence"}[moe["moe_router_load_balancing_type"]]
+        aux = {"coeff": moe.get("moe_aux_loss_coeff", 0.0), "scope": scope, "z_coeff": moe.get("moe_z_loss_coeff", 0.0)}
+        if moe.get("moe_expert_capacity_factor"):
+            capacity = (moe["moe_expert_capacity_factor"], moe["moe_token_drop_policy"])
+    return aux, capacity
+
+
+def moe_yaml(ep=1, pp=1, moe=None, **kw):
+    """tiny_config with parallel_config.expert_parallel (and pipeline_stage, and MoE keys when given) added."""
     y = tiny_config(clip=CLIP, **kw)
     y["parallel_config"]["expert_parallel"] = ep
     y["model"]["model_config"]["num_layers"] = 2
+    y["model"]["model_config"].update(moe or {})
     if pp > 1:
         y["parallel_config"].update(pipeline_stage=pp, micro_batch_num=4)
         y["parallel"]["pipeline_config"] = {"pipeline_interleave": False, "pipeline_scheduler": "1f1b"}
@@ -68,12 +93,13 @@ def _train(name):
 
     kind, kw = LAYOUTS[name]
     engine = msp.initialize(moe_model(kind), msp.load_config(moe_yaml(**kw)), optimizer=_adamw)
-    losses, norms = [], []
+    losses, norms, aux = [], [], []
     for step in range(STEPS):
         losses.append(_step(engine, step))
         norms.append(getattr(engine, "global_grad_norm", None))  # the pipeline engine does not report it
+        aux.append(getattr(engine, "last_aux_loss", None))
     lay = engine.layout
-    return {"losses": losses, "norms": norms, "state": engine.full_state_dict(rank0_only=True),
+    return {"losses": losses, "norms": norms, "aux": aux, "state": engine.full_state_dict(rank0_only=True),
             "rows": _rows(engine) * lay.size("dp"), "expert_numel": _expert_numel(engine.model),
             "sizes": {n: lay.size(n) for n in ("pp", "dp", "tp", "cp", "ep", "edp")},
             "ep_ranks": lay.ranks("ep"), "edp_ranks": lay.ranks("edp"), "spec": repr(engine.spec)}
@@ -119,10 +145,12 @@ def _run_group(rank, world_size, names, save_dir):
 _REFERENCES = {}
 
 
-def _reference(kind, rows):
-    if (kind, rows) not in _REFERENCES:
-        _REFERENCES[(kind, rows)] = moe_reference(kind, STEPS, rows, clip=CLIP)
-    return _REFERENCES[(kind, rows)]
+def _reference(kind, rows, moe=None):
+    aux, capacity = _moe_keys(moe)
+    key = (kind, rows, repr(aux), capacity)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = moe_reference(kind, STEPS, rows, clip=CLIP, aux=aux, capacity=capacity)
+    return _REFERENCES[key]
 
 
 PARITY = {}  # name -> (max rel loss error, max abs weight error, max rel norm error), printed by -s
@@ -136,7 +164,7 @@ def test_expert_parallel_matches_single_process(group, tmp_path):
         kind, kw = LAYOUTS[name]
         ep = kw["ep"]
         r0 = results[0][name]
-        ref_losses, ref_state, ref_norms = _reference(kind, r0["rows"])
+        ref_losses, ref_state, ref_norms, ref_aux = _reference(kind, r0["rows"], kw.get("moe"))
         total_experts = sum(v.numel() for k, v in ref_state.items() if ".experts." in k)
         rel, nrel = 0.0, 0.0
         for rank, res in enumerate(results):
@@ -145,6 +173,9 @@ def test_expert_parallel_matches_single_process(group, tmp_path):
             assert rel <= 1e-4, (name, rank, r["losses"], ref_losses)
             assert r["expert_numel"] * ep * r["sizes"]["pp"] <= total_experts, (name, rank, r["expert_numel"])
             assert r["sizes"]["ep"] == ep and r["sizes"]["edp"] * ep * r["sizes"]["pp"] == 4, (name, r["sizes"])
+            if ref_aux[0]:  # the aux + z loss, logged apart from the LM loss
+                arel = max(abs(a - b) / abs(b) for a, b in zip(r["aux"], ref_aux))
+                assert arel <= 1e-4, (name, rank, r["aux"], ref_aux)
             if r["norms"][0] is not None:  # the true global norm: every expert shard counted once
                 nrel = max(nrel, max(abs(a - b) / b for a, b in zip(r["norms"], ref_norms)))
                 assert nrel <= 1e-5, (name, rank, r["norms"], ref_norms)
@@ -156,10 +187,12 @@ def test_expert_parallel_matches_single_process(group, tmp_path):
         werr = max((state[k] - v).abs().max().item() for k, v in ref_state.items())
         moved = max((moe_model(kind).state_dict()[k] - v).abs().max().item() for k, v in ref_state.items())
         assert werr <= 5e-5 and moved > 1e-3, (name, werr, moved)
+        if _moe_keys(kw.get("moe"))[1]:  # the capacity rule dropped tokens: the dropless run differs
+            assert abs(_reference(kind, r0["rows"])[0][0] - ref_losses[0]) > 1e-5, name
         PARITY[name] = (rel, werr, nrel)
     if save_dir:
         ck = results[0]["checkpoint"]
-        ref_losses, _, _ = _reference("qwen3_moe", 4)
+        ref_losses = _reference("qwen3_moe", 4)[0]
         rel = max(abs(a - b) / abs(b) for a, b in zip(ck["losses"], ref_losses))
         assert rel <= 1e-4, (ck["losses"], ref_losses)  # resumed across ep 4 -> ep 2 (+ tp) = uninterrupted
         assert ck["hf_vs_ours"] <= 1e-5, ck["hf_vs_ours"]

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 from pydantic import ValidationError
 
 from .errors import ConfigError, ConfigIssue, ConfigWarning
+from .moe import read_moe
 from .reader import MAX_DEPTH, check_depth, read_source
 from .rules import check_rules
 from .schema import PARALLELISM_KEYS, ParallelConfig, ParallelConfigSection
@@ -91,9 +92,10 @@ def _build(raw: Any, label: str | None) -> ParallelConfig:
             found.setdefault(issue.key, issue)
         raise ConfigError(_as_written(list(found.values()), spelled), label) from None
     issues = check_rules(cfg)
-    if issues:
-        raise ConfigError(_as_written(issues, spelled), label)
-    return cfg
+    moe, moe_issues = read_moe(raw, cfg)  # moe_config / mcore MoE keys, with their rules (config.moe)
+    if issues or moe_issues:
+        raise ConfigError(_as_written(issues, spelled) + moe_issues, label)
+    return cfg if moe is None else cfg.model_copy(update={"moe": moe})
 
 
 def _as_written(issues: list[ConfigIssue], spelled: dict[str, str]) -> list[ConfigIssue]:
@@ -220,6 +222,13 @@ def _model_shape(raw: Mapping, issues: list[ConfigIssue], spelled: dict[str, str
                 if spelling != field:
                     spelled[f"model.model_config.{field}"] = f"model.model_config.{spelling}"
                 break
+    data = raw.get("train_dataset")  # mcore models train at the dataset's length (GPTDataset config.seq_length)
+    data = data.get("data_loader") if isinstance(data, Mapping) else None
+    data = data.get("config") if isinstance(data, Mapping) else None
+    if "seq_length" not in shape and raw.get("use_legacy") is False and isinstance(data, Mapping) \
+            and data.get("seq_length") is not None:
+        shape["seq_length"] = data["seq_length"]
+        spelled["model.model_config.seq_length"] = "train_dataset.data_loader.config.seq_length"
     if mc.get("multi_query_attention") is False and "n_kv_heads" in shape and "n_kv_heads" not in mc \
             and "num_key_value_heads" not in mc:
         shape.pop("n_kv_heads")  # GLM: multi_query_group_num only counts with multi_query_attention

@@ -216,6 +216,9 @@ class ParallelConfig(_Section):
     # Set when the YAML used the `parallelism:` schema (MindFormers 2.1) instead of parallel_config.
     parallelism: Optional[ParallelismSource] = None
     source: Optional[str] = None
+    # moe.settings.MoESettings read from `moe_config:` / the mcore model_config MoE keys by config.moe (never from
+    # the YAML directly); None when the YAML describes no experts
+    moe: Optional[Any] = None
 
     # Short names used across the package.
     @property

@@ -12,6 +12,7 @@ forward/backward that the instruments measure).
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
@@ -120,7 +121,7 @@ def all_to_all_v(x: Tensor, send: list[int], recv: list[int], group) -> Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(recv), *x.shape[1:]))
     dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
-    row = x[0].numel() * x.element_size() if x.dim() else x.element_size()
+    row = math.prod(x.shape[1:]) * x.element_size()
     mine = send[dist.get_rank(group)] if send else 0
     sync_done(t0, "all_to_all", float((sum(send) - mine) * row))
     return out

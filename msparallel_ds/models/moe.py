@@ -62,6 +62,10 @@ class MoEFamily(LlamaFamily):
         """The layer's routed-experts module, or None on a dense layer."""
         return getattr(getattr(layer, "mlp", None), "experts", None)
 
+    def router_of(self, layer: nn.Module) -> Optional[nn.Module]:
+        """The layer's router (returns router_logits, routing weights, top-k indices), or None on a dense layer."""
+        return layer.mlp.gate if self.experts_of(layer) is not None else None
+
     def ep_plan(self, config: Any) -> dict[str, str]:
         """Module pattern -> style for expert parallel: the routed experts of every MoE layer."""
         return {f"{self.prefix}.layers.{i}.mlp.experts": "ep_experts" for i in self.moe_layers(config)}

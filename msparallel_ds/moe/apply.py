@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional
 
 from torch import nn
 
+from .aux_loss import AuxLoss, install_aux_loss
 from .dispatch import ExpertParallelExperts, expert_group_name
 
 if TYPE_CHECKING:
@@ -39,15 +40,16 @@ def _no_experts(part: nn.Module, ep: int) -> ValueError:
                       "expert_parallel: 1, or train a MoE model (Qwen3-MoE, Qwen2-MoE, Mixtral)")
 
 
-def apply_ep(part: nn.Module, layout: ParallelLayout, adapter: Optional[DecoderAdapter],
-             capacity=None) -> dict[str, str]:
-    """Shard `part`'s experts over ep in place; returns the ep plan applied ({} when ep == 1 and no capacity)."""
+def apply_ep(part: nn.Module, layout: ParallelLayout, adapter: Optional[DecoderAdapter], capacity=None,
+             aux: Optional[dict] = None) -> tuple[dict[str, str], Optional[AuxLoss]]:
+    """Shard `part`'s experts over ep in place; returns the ep plan applied ({} when ep == 1) and the aux-loss state
+    when `aux` ({"coeff", "scope", "z_coeff"}) asks for a load-balancing or z loss."""
     ep, tp = layout.size("ep"), layout.size("tp")
     plan = adapter.ep_plan(part.config) if adapter is not None and hasattr(adapter, "ep_plan") else {}
     if not plan:
         if ep > 1:
             raise _no_experts(part, ep)
-        return {}
+        return {}, None
     name = expert_group_name(layout)
     for _, layer in adapter.layer_items(part):
         experts = adapter.experts_of(layer)
@@ -65,5 +67,10 @@ def apply_ep(part: nn.Module, layout: ParallelLayout, adapter: Optional[DecoderA
             from ..tensor_parallel.apply import grad_allreduce
 
             grad_allreduce(experts, layout.group("tp"))
-    return plan if ep > 1 else {}
+    aux_loss = None
+    if aux and (aux.get("coeff") or aux.get("z_coeff")):
+        config = part.config
+        aux_loss = AuxLoss(layout, adapter.num_experts(config), config.num_experts_per_tok, **aux)
+        install_aux_loss(part, adapter, aux_loss)
+    return (plan if ep > 1 else {}), aux_loss
 

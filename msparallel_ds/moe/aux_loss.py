@@ -1,0 +1,122 @@
+"""The router's load-balancing (aux) loss and z-loss with MindFormers' coefficient and scope.
+
+MindFormers 2.1 (parallel_core/training_graph/transformer/moe/router.py `_expert_load_balancing`), per MoE layer and
+micro-batch, over "shards" (the tokens one rank's router sees: its rows' sequence slice under cp / sequence parallel):
+
+    P_e = mean over the shard's tokens of softmax(router_logits)_e        (differentiable)
+    f_e = (choices routed to e) / (top_k x the shard's tokens)            (no gradient)
+    aux = coeff x E x mean over shards of sum_e P_e x f_e
+
+and the scope (moe_router_load_balancing_type) says over which shards f is averaged first:
+- "sub_sequence" (sub_seq_aux_loss, MindFormers' default; the legacy MoE): each shard its own f;
+- "sequence" (seq_aux_loss): f averaged over the shards of the same rows (the cp x tp ranks of a dp rank);
+- "global_batch" (gbs_aux_loss): f averaged over every shard of the step's micro-batch (dp x cp x tp). MindFormers
+  also accumulates f over the micro-batches of a step; here each micro-batch uses its own (identical when
+  gradient_accumulation_steps = 1).
+z-loss (moe_z_loss_coeff / z_loss_factor): coeff x mean over tokens of logsumexp(router_logits)^2, mean over shards.
+
+The loss never enters the logits: like Megatron-Core's MoEAuxLossAutoScaler, the router's routing weights pass
+through `AuxLossScaler`, whose backward hands the aux term a gradient of `scale` (set by the engine so the term is
+averaged like the LM loss: x dp / micro-batches for the DeepSpeed engine, whose reduction divides by dp). Works
+inside pipeline stages as well. Values are recorded per forward for logging (engine.last_aux_loss).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from ..distributed.collectives import sum_over
+
+if TYPE_CHECKING:
+    from ..distributed.layout import ParallelLayout
+
+__all__ = ["AuxLoss", "AuxLossScaler", "install_aux_loss"]
+
+SCOPES = ("sub_sequence", "sequence", "global_batch")
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """Forward: `x` unchanged. Backward: x's grad passes through, and `aux` gets d(loss)/d(aux) = scale."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, aux: Tensor, scale: float) -> Tensor:
+        ctx.scale, ctx.aux_dtype = scale, aux.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+
+
+@dataclass
+class AuxLoss:
+    """One model part's aux-loss state: the rule, the engine's gradient scale and the values of the last forwards."""
+
+    layout: ParallelLayout
+    num_experts: int
+    top_k: int
+    coeff: float = 0.0
+    scope: str = "sub_sequence"
+    z_coeff: float = 0.0
+    scale: float = 1.0
+
+    def __post_init__(self):
+        if self.scope not in SCOPES:
+            raise ValueError(f"aux loss scope {self.scope!r}: must be one of {', '.join(SCOPES)}")
+        self.values: dict[int, Tensor] = {}  # router id -> last value (a recomputed forward overwrites, not adds)
+
+    def _mean_over(self, t: Tensor, names: tuple[str, ...]) -> Tensor:
+        n = 1
+        for name in names:
+            sum_over(self.layout, name, t)
+            n *= self.layout.size(name)
+        return t / n
+
+    def term(self, logits: Tensor, top_k_index: Tensor) -> Tensor:
+        """This shard's share of the layer's aux + z loss (the shares of all shards sum to the layer's loss)."""
+        lay = self.layout
+        shards = lay.size("dp_cp") * lay.size("tp")
+        total = logits.new_zeros((), dtype=torch.float32)
+        logits = logits.reshape(-1, logits.shape[-1]).float()
+        if self.coeff:
+            probs = torch.softmax(logits, dim=-1).mean(0)
+            with torch.no_grad():
+                f = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts)[: self.num_experts].float()
+                f /= max(top_k_index.numel(), 1)
+                if self.scope == "sequence":
+                    f = self._mean_over(f, ("cp", "tp"))
+                elif self.scope == "global_batch":
+                    f = self._mean_over(f, ("dp_cp", "tp"))
+            total = total + self.coeff * self.num_experts * (probs * f).sum() / shards
+        if self.z_coeff:
+            total = total + self.z_coeff * torch.logsumexp(logits, dim=-1).square().mean() / shards
+        return total
+
+    def hook(self, router: nn.Module, args, output):
+        """Forward hook on a HF router (returns router_logits, routing weights, top-k indices)."""
+        if not router.training or not torch.is_grad_enabled():
+            return output
+        logits, weights, index = output
+        aux = self.term(logits, index)
+        self.values[id(router)] = aux.detach()
+        return logits, AuxLossScaler.apply(weights, aux, self.scale), index
+
+    def pop_total(self) -> Tensor:
+        """The sum over this rank's MoE layers of their last forward's values (this rank's shares), then cleared."""
+        total = torch.stack(list(self.values.values())).sum() if self.values else torch.zeros(())
+        self.values = {}
+        return total
+
+
+def install_aux_loss(part: nn.Module, adapter, aux: AuxLoss) -> int:
+    """Hook every MoE layer's router of `part`; returns how many were hooked."""
+    n = 0
+    for _, layer in adapter.layer_items(part):
+        router = adapter.router_of(layer)
+        if router is not None:
+            router.register_forward_hook(aux.hook)
+            n += 1
+    return n
