@@ -26,13 +26,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import multiprocessing as mp
 import os
 import platform
-import queue
 import resource
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -43,6 +40,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _ranks import run_ranks  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
 
 VARIANTS = ("msp_ep1", "msp_ep2", "msp_ep4", "ds_autoep2", "ds_autoep4", "hf_ep4")
 BASELINE = "msp_ep1"
@@ -234,39 +233,11 @@ def _rank_main(rank: int, world: int, port: int, name: str, args: dict, out) -> 
 
 def _run_group(name: str, args: dict) -> dict:
     """One variant on `world` forked processes; per-step results, or {"error": last line, "traceback": ...}."""
-    world, ctx = args["world"], mp.get_context("fork")
-    out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, name, args, out)) for r in range(world)]
-    t_start = time.monotonic()
-    for p in procs:
-        p.start()
-    deadline, results, errors = t_start + args["timeout"], {}, {}
-    try:
-        while len(results) + len(errors) < world and time.monotonic() < deadline:
-            try:
-                rank, ok, payload = out.get(timeout=0.2)
-            except queue.Empty:
-                errors.update({r: f"process exited with code {p.exitcode} without reporting"
-                               for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)})
-                continue
-            (results if ok else errors)[rank] = payload
-            if errors:
-                deadline = min(deadline, time.monotonic() + 5)
-    finally:
-        for p in procs:
-            p.join(timeout=5 if p.is_alive() else 0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        out.close()
-    wall = time.monotonic() - t_start
-    if errors or len(results) < world:
-        text = errors[min(errors)] if errors else f"timed out after {args['timeout']} s"
-        return {"error": [ln for ln in text.strip().splitlines() if ln.strip()][-1], "traceback": text, "wall_s": wall}
-    rk, steps, tokens = [results[r] for r in range(world)], range(args["steps"]), args["global_batch"] * args["seq"]
+    world = args["world"]
+    rk, failed, wall = run_ranks(_rank_main, world, (name, args), timeout=args["timeout"], name=name)
+    if failed:
+        return failed
+    steps, tokens = range(args["steps"]), args["global_batch"] * args["seq"]
     step_t = [max(r["times_s"][i] for r in rk) for i in steps]  # the slowest rank's
     per_rank_step = lambda key: sum(sum(r[key]) for r in rk) / (world * args["steps"])  # noqa: E731  bytes, mean
     return {"step_times_s": step_t, "tokens_per_s": tokens / statistics.median(step_t),

@@ -39,12 +39,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import multiprocessing as mp
 import os
 import platform
-import queue
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -54,6 +51,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _ranks import run_ranks  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
 
 VARIANTS = ("ds_zero2", "msp_dp", "msp_tp", "msp_tp_sp", "ds_autotp")
 BASELINE = "ds_zero2"
@@ -250,50 +249,13 @@ def _rank_main(rank: int, world: int, port: int, name: str, args: dict, out) -> 
         out.put((rank, False, traceback.format_exc()))
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_group(name: str, args: dict) -> dict:
     """One variant on `world` processes; returns per-rank results or {"error": ...}."""
     world = args["world"]
-    ctx = mp.get_context("spawn" if args["device"] == "cuda" else "fork")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, name, args, out), name=f"{name}-rank{r}")
-             for r in range(world)]
-    t_start = time.monotonic()
-    for p in procs:
-        p.start()
-    deadline = t_start + args["timeout"]
-    results, errors = {}, {}
-    try:
-        while len(results) + len(errors) < world and time.monotonic() < deadline:
-            try:
-                rank, ok, payload = out.get(timeout=0.2)
-            except queue.Empty:
-                for r, p in enumerate(procs):
-                    if r not in results and r not in errors and p.exitcode not in (None, 0):
-                        errors[r] = f"process exited with code {p.exitcode} without reporting"
-                continue
-            (results if ok else errors)[rank] = payload
-            if errors:
-                deadline = min(deadline, time.monotonic() + 5)
-    finally:
-        for p in procs:
-            p.join(timeout=5 if p.is_alive() else 0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        out.close()
-    wall = time.monotonic() - t_start
-    if errors or len(results) < world:
-        text = errors[min(errors)] if errors else f"timed out after {args['timeout']} s"
-        last = [ln for ln in text.strip().splitlines() if ln.strip()][-1]
-        return {"error": last, "traceback": text, "wall_s": wall}
-    ranks = [results[r] for r in range(world)]
+    ranks, failed, wall = run_ranks(_rank_main, world, (name, args), timeout=args["timeout"],
+                                    spawn=args["device"] == "cuda", name=name)
+    if failed:
+        return failed
     step_times = [max(r["times_s"][i] for r in ranks) for i in range(args["steps"])]  # the slowest rank's
     cpu_times = [sum(r["cpu_times_s"][i] for r in ranks) for i in range(args["steps"])]  # all ranks' CPU time
     med, cpu_med = statistics.median(step_times), statistics.median(cpu_times)

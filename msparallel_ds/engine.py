@@ -224,7 +224,7 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer:
         return initialize_pipeline(model, layout, optimizer, lr_scheduler=lr_scheduler)
     model = parallelize(model, layout)  # a no-op for a model msp.parallelize already did for this layout
     model.to(runtime.training_device(layout))
-    ds_config = runtime.deepspeed_config(plan, layout, overrides=deepspeed_config)
+    ds_config = runtime.deepspeed_config(plan, layout, overrides=deepspeed_config, own_clip=True)
     params = [p for p in model.parameters() if p.requires_grad]
     if isinstance(optimizer, torch.optim.Optimizer):
         opt = optimizer

@@ -14,7 +14,7 @@ Assumptions (stated so the numbers can be checked):
   min(micro_batch_num, pp) micro-batches in flight on the first stage (all of them for GPipe).
 - Logits: fp32 s*b*V (/t when vocab parallel) on the last stage. Buffers, fragmentation and communication
   scratch space are not counted.
-- MoE (plan.moe with an expert count; moe_plan.stage_params): MoE layers (all but the first first_k_dense_replace)
+- MoE (plan.moe with an expert count; moe.plan.stage_params): MoE layers (all but the first first_k_dense_replace)
   hold a router (E*h, replicated), shared experts (3*h*shared size, split over tp like the dense feed-forward) and
   E/ep whole routed experts of 3*h*expert size each (moe_intermediate_size, else ffn). Expert weights, gradients and
   optimizer state are ZeRO-sharded over the expert-data-parallel group (dp*cp*tp/ep) instead of dp x cp. The worst
@@ -26,7 +26,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Optional
 
-from .moe_plan import stage_params
+from .moe.plan import stage_params
 
 if TYPE_CHECKING:
     from .config.schema import ParallelConfig

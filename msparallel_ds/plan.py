@@ -15,7 +15,7 @@ from .config.errors import ConfigError, ConfigIssue
 from .config.rules import layers_per_stage, ulysses_degree, virtual_stages
 from .config.schema import ParallelConfig
 from .memory import MemoryEstimate, estimate_memory, missing_shape_note
-from .moe_plan import expert_data_parallel, moe_notes
+from .moe.plan import expert_data_parallel, moe_notes
 from .optim_plan import activation_offload_entry, lr_schedule_entry, optimizer_entry
 
 DEFAULT_SELECT = [r"feed_forward\.mul", r"feed_forward\.w1\.activation\.silu"]  # MindFormers' defaults
@@ -117,7 +117,7 @@ class Plan:
     activation_offload: Any = None  # swap_config / cpu_offloading: "all" or the decoder layers whose activations
                                     # are kept on the host between forward and backward
     moe: Any = None  # moe.settings.MoESettings (None: the YAML sets no MoE keys)
-    expert_data_parallel: int = 1  # edp = dp x cp x tp / expert_parallel (moe_plan.py)
+    expert_data_parallel: int = 1  # edp = dp x cp x tp / expert_parallel (moe/plan.py)
 
     @property
     def zero_stage(self) -> int:

@@ -52,7 +52,9 @@ def torch_optimizer(plan) -> Callable[[list], torch.optim.Optimizer]:
     return lambda p: torch.optim.AdamW(p, **params)
 
 
-def deepspeed_config(plan, layout: ParallelLayout, *, overrides: Optional[Mapping]) -> dict:
+def deepspeed_config(plan, layout: ParallelLayout, *, overrides: Optional[Mapping], own_clip: bool = False) -> dict:
+    """The DeepSpeed config for `plan` on `layout`. own_clip: the caller clips with the true global norm itself when
+    DeepSpeed's would be wrong (ZeRO-0 with expert parallel), so DeepSpeed's clipping is switched off then."""
     ds = plan.to_deepspeed()
     ds.pop("optimizer", None)  # always a torch optimizer (DeepSpeed's fused ones need a native build)
     if layout.device_type != "cuda":
@@ -76,9 +78,13 @@ def deepspeed_config(plan, layout: ParallelLayout, *, overrides: Optional[Mappin
                 "0.19's ZeRO-3 does not partition expert-parallel parameters over their expert-data-parallel group; "
                 "use level1 or level2 (expert optimizer states are then sharded over that group)")
         if stage == 0 and ds.get("gradient_clipping"):
-            # DeepSpeed's ZeRO-0 clip averages per-rank norms over dp, which differ when experts do: the engine
-            # clips with the true global norm itself (distributed.collectives.clip_grad_norm_)
-            ds["gradient_clipping"] = 0.0
+            # DeepSpeed's ZeRO-0 clip averages per-rank norms over dp, which differ when experts do
+            if own_clip:
+                ds["gradient_clipping"] = 0.0
+            else:
+                warnings.warn(f"parallel_config.expert_parallel={layout.size('ep')} without optimizer parallel: "
+                              "DeepSpeed's ZeRO-0 gradient clipping uses the mean of per-rank norms, not the global "
+                              "norm; use optimizer_level level1/level2 (exact) or msp.initialize", stacklevel=3)
     ds.update(overrides or {})
     return ds
 

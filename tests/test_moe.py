@@ -20,7 +20,8 @@ LAYOUTS = {  # name -> (model kind, tiny_config kwargs + ep / pp)
     "qwen3_dp2xtp2_sp_ep2_zero1": ("qwen3_moe", dict(dp=2, tp=2, sp=True, zero=1, ep=2)),
     "qwen3_dp2xcp2_ulysses_ep4_zero2": ("qwen3_moe", dict(dp=2, cp=2, algo="ulysses_cp", zero=2, ep=4)),
     "mixtral_dp4_ep2_zero1": ("mixtral", dict(dp=4, zero=1, ep=2)),
-    "qwen3_pp2xdp2_ep2": ("qwen3_moe", dict(dp=2, zero=0, ep=2, pp=2)),
+    "qwen3_pp2xdp2_ep2_sub_seq_aux": ("qwen3_moe", dict(dp=2, zero=0, ep=2, pp=2, moe=dict(
+        moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="sub_seq_aux_loss"))),
     "qwen2moe_dp2xtp2_sp_ep4_zero2": ("qwen2_moe", dict(dp=2, tp=2, sp=True, zero=2, ep=4)),
     "qwen3_dp2xcp2_ring_ep2_zero1": ("qwen3_moe", dict(dp=2, cp=2, ring=True, zero=1, ep=2)),
     "qwen2moe_tp2_sp_ep1_zero1": ("qwen2_moe", dict(dp=2, tp=2, sp=True, zero=1, ep=1)),
@@ -32,23 +33,25 @@ LAYOUTS = {  # name -> (model kind, tiny_config kwargs + ep / pp)
     "mixtral_dp4_ep2_capacity_position": ("mixtral", dict(dp=4, zero=1, ep=2, moe=dict(
         moe_expert_capacity_factor=1.0, moe_token_drop_policy="position", moe_aux_loss_coeff=0.0,
         moe_router_load_balancing_type="seq_aux_loss"))),
+    "qwen2moe_dp4_ep2_recompute_all": ("qwen2_moe", dict(dp=4, zero=1, ep=2, recompute=True)),
     "qwen3_dp4_ep2_capacity_probs": ("qwen3_moe", dict(dp=4, zero=0, ep=2, moe=dict(
         moe_expert_capacity_factor=0.5, moe_token_drop_policy="probs", moe_router_load_balancing_type="gbs_aux_loss",
         moe_aux_loss_coeff=0.001))),
 }
 GROUPS = {"a": ["qwen3_dp4_ep4_zero0", "qwen3_dp2xtp2_sp_ep2_zero1", "qwen3_dp2xcp2_ulysses_ep4_zero2",
                 "qwen2moe_tp2_sp_ep1_zero1"],
-          "b": ["mixtral_dp4_ep2_zero1", "qwen3_pp2xdp2_ep2", "qwen2moe_dp2xtp2_sp_ep4_zero2",
+          "b": ["mixtral_dp4_ep2_zero1", "qwen3_pp2xdp2_ep2_sub_seq_aux", "qwen2moe_dp2xtp2_sp_ep4_zero2",
                 "qwen3_dp2xcp2_ring_ep2_zero1"],
           "c": ["qwen3_dp4_ep4_gbs_aux_z", "qwen3_dp2xtp2_sp_ep2_seq_aux", "mixtral_dp4_ep2_capacity_position",
-                "qwen3_dp4_ep2_capacity_probs"]}
+                "qwen3_dp4_ep2_capacity_probs", "qwen2moe_dp4_ep2_recompute_all"]}
 
 
 def _moe_keys(moe):
     """The run's mcore MoE keys ({} = only expert_parallel set) and what the reference applies for them."""
     aux = capacity = None
     if moe:
-        scope = {"gbs_aux_loss": "global_batch", "seq_aux_loss": "sequence"}[moe["moe_router_load_balancing_type"]]
+        scope = {"gbs_aux_loss": "global_batch", "seq_aux_loss": "sequence",
+                 "sub_seq_aux_loss": "sub_sequence"}[moe["moe_router_load_balancing_type"]]
         aux = {"coeff": moe.get("moe_aux_loss_coeff", 0.0), "scope": scope, "z_coeff": moe.get("moe_z_loss_coeff", 0.0)}
         if moe.get("moe_expert_capacity_factor"):
             capacity = (moe["moe_expert_capacity_factor"], moe["moe_token_drop_policy"])
@@ -102,7 +105,8 @@ def _train(name):
     return {"losses": losses, "norms": norms, "aux": aux, "state": engine.full_state_dict(rank0_only=True),
             "rows": _rows(engine) * lay.size("dp"), "expert_numel": _expert_numel(engine.model),
             "sizes": {n: lay.size(n) for n in ("pp", "dp", "tp", "cp", "ep", "edp")},
-            "ep_ranks": lay.ranks("ep"), "edp_ranks": lay.ranks("edp"), "spec": repr(engine.spec)}
+            "ep_ranks": lay.ranks("ep"), "edp_ranks": lay.ranks("edp"), "spec": repr(engine.spec),
+            "recompute": engine.applied.recompute}
 
 
 def _checkpoint_and_hf(save_dir):
@@ -187,6 +191,7 @@ def test_expert_parallel_matches_single_process(group, tmp_path):
         werr = max((state[k] - v).abs().max().item() for k, v in ref_state.items())
         moved = max((moe_model(kind).state_dict()[k] - v).abs().max().item() for k, v in ref_state.items())
         assert werr <= 5e-5 and moved > 1e-3, (name, werr, moved)
+        assert r0["recompute"] == ({"0": [""], "1": [""]} if kw.get("recompute") else {}), (name, r0["recompute"])
         if _moe_keys(kw.get("moe"))[1]:  # the capacity rule dropped tokens: the dropless run differs
             assert abs(_reference(kind, r0["rows"])[0][0] - ref_losses[0]) > 1e-5, name
         PARITY[name] = (rel, werr, nrel)
@@ -196,6 +201,7 @@ def test_expert_parallel_matches_single_process(group, tmp_path):
         rel = max(abs(a - b) / abs(b) for a, b in zip(ck["losses"], ref_losses))
         assert rel <= 1e-4, (ck["losses"], ref_losses)  # resumed across ep 4 -> ep 2 (+ tp) = uninterrupted
         assert ck["hf_vs_ours"] <= 1e-5, ck["hf_vs_ours"]
+        PARITY["checkpoint ep4 -> tp2 x ep2, HF round trip"] = (rel, ck["hf_vs_ours"], 0.0)
         assert ck["reloaded_experts"] * 4 == sum(v.numel() for k, v in _reference("qwen3_moe", 4)[1].items()
                                                  if ".experts." in k)
     print({k: tuple(f"{x:.1e}" for x in v) for k, v in PARITY.items()})
@@ -220,3 +226,53 @@ def test_ep_needs_a_moe_model_and_sequence_parallel():
     plan = adapter_for(moe).tp_plan(moe.config, 2, sequence_parallel=True)
     assert not any(".experts" in p for p in plan)  # experts go over ep, never tp
     assert plan["model.layers.0.mlp"] == "sequence_parallel" and plan["model.layers.1.mlp.gate"] == "sequence_parallel"
+
+
+def test_mindformers_select_patterns_name_moe_parts():
+    """select_recompute patterns in MindFormers' legacy and mcore cell names pick the HF MoE block's parts."""
+    from msparallel_ds.models import adapter_for
+    from msparallel_ds.recompute import select_modules
+
+    model = moe_model("qwen2_moe")
+    adapter = adapter_for(model)
+    moe_layer = model.model.layers[1]
+    names = adapter.mindformers_names
+    assert select_modules(moe_layer, r"mlp\.shared_experts\.mul", names) == ["mlp.shared_expert"]
+    assert select_modules(moe_layer, r"feed_forward\.routed_experts", names) == ["mlp.experts"]
+    assert select_modules(moe_layer, r"mlp\.router", names) == ["mlp.gate"]
+    assert select_modules(model.model.layers[0], r"mlp\.router", names) == []  # the dense first layer
+
+
+def _accelerate_moe(rank, world_size):
+    """HF-style loop under MindFormersAccelerator (accelerate + DeepSpeed ZeRO-2) with dp4 x ep2."""
+    import torch
+
+    from msparallel_ds.integrations.accelerate import MindFormersAccelerator
+
+    accelerator = MindFormersAccelerator(moe_yaml(dp=4, zero=2, ep=2))
+    model = moe_model()
+    optimizer = _adamw(model.parameters())
+    model, optimizer = accelerator.prepare(model, optimizer)
+    losses, norms = [], []
+    for step in range(STEPS):
+        ids, labels = global_batch(step, 4)
+        d = accelerator.layout.rank("dp")
+        loss = model(input_ids=ids[d:d + 1], labels=labels[d:d + 1]).loss  # equal token counts: mean of means
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(accelerator.reduce_loss(loss).item())
+        norms.append(float(model.get_global_grad_norm()))
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return {"losses": losses, "norms": norms, "experts": experts}
+
+
+@pytest.mark.distributed
+def test_accelerate_with_expert_parallel():
+    results = run_distributed(_accelerate_moe, 4, timeout=300)
+    ref_losses, ref_state, ref_norms, _ = _reference("qwen3_moe", 4)
+    total = sum(v.numel() for k, v in ref_state.items() if ".experts." in k)
+    for r in results:
+        assert max(abs(a - b) / b for a, b in zip(r["losses"], ref_losses)) <= 1e-4, (r["losses"], ref_losses)
+        assert max(abs(a - b) / b for a, b in zip(r["norms"], ref_norms)) <= 1e-5, (r["norms"], ref_norms)
+        assert r["experts"] * 2 == total

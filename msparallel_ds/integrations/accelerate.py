@@ -52,7 +52,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -389,7 +389,11 @@ class MindFormersAccelerator(Accelerator):
         ds = self.deepspeed_plugin.deepspeed_config
         if "scheduler" in ds and any(isinstance(a, LRScheduler) for a in args):
             ds.pop("scheduler")  # the script's own scheduler replaces the YAML's lr_schedule
-        with _deepspeed_initialize_with(self.layout.mpu()):
+        from ..moe.deepspeed import deepspeed_moe
+
+        optimizer = next((a for a in args if isinstance(a, torch.optim.Optimizer)), None)
+        moe = deepspeed_moe(models[0], self.layout, optimizer) if models and optimizer is not None else nullcontext()
+        with moe, _deepspeed_initialize_with(self.layout.mpu()):  # experts reduced over their expert-dp group
             result = super()._prepare_deepspeed(*args)
         for obj in result:
             if type(obj) is AcceleratedScheduler:

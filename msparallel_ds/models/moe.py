@@ -29,13 +29,12 @@ _REPLICATED_IN_BLOCK = ("gate", "shared_expert.gate_proj", "shared_expert.up_pro
 class MoEFamily(LlamaFamily):
     architectures = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
     model_types = ("qwen3_moe", "qwen2_moe", "mixtral")
-    mindformers_names = {
+    mindformers_names = {  # + legacy (feed_forward.*) and mcore (mlp.*) cell names of the MoE block's parts
         **LlamaFamily.mindformers_names,
-        "mlp.gate": ["feed_forward.router", "feed_forward.router.dense"],
-        "mlp.experts": ["feed_forward.routed_experts", "feed_forward.ffn"],
-        "mlp.shared_expert": ["feed_forward.shared_experts"],
-        "mlp.shared_expert.act_fn": ["feed_forward.shared_experts.mul", "feed_forward.shared_experts.w1.activation"],
-        "mlp.shared_expert_gate": ["feed_forward.shared_experts_gate"],
+        "mlp.gate": ["feed_forward.router", "feed_forward.router.dense", "mlp.router"],
+        "mlp.experts": ["feed_forward.routed_experts", "feed_forward.ffn", "mlp.experts"],
+        "mlp.shared_expert": ["feed_forward.shared_experts", "mlp.shared_experts"],
+        "mlp.shared_expert_gate": ["feed_forward.shared_experts_gate", "mlp.shared_experts_gate"],
     }
 
     # ------------------------------------------------------------------------------------------ experts
@@ -61,6 +60,10 @@ class MoEFamily(LlamaFamily):
     def experts_of(self, layer: nn.Module) -> Optional[nn.Module]:
         """The layer's routed-experts module, or None on a dense layer."""
         return getattr(getattr(layer, "mlp", None), "experts", None)
+
+    def set_experts(self, layer: nn.Module, experts: nn.Module) -> None:
+        """Put `experts` (the expert-parallel stand-in) where the layer's routed experts are."""
+        layer.mlp.experts = experts
 
     def router_of(self, layer: nn.Module) -> Optional[nn.Module]:
         """The layer's router (returns router_logits, routing weights, top-k indices), or None on a dense layer."""

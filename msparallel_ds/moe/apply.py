@@ -57,7 +57,7 @@ def apply_ep(part: nn.Module, layout: ParallelLayout, adapter: Optional[DecoderA
             continue
         if ep > 1 or capacity is not None:
             experts = ExpertParallelExperts(experts, layout, capacity)
-            layer.mlp.experts = experts
+            adapter.set_experts(layer, experts)
         if ep > 1:
             for p in experts.parameters(recurse=False):
                 p.expert_parallel, p.allreduce, p.group_name = True, False, name

@@ -17,13 +17,14 @@ z-loss (moe_z_loss_coeff / z_loss_factor): coeff x mean over tokens of logsumexp
 
 The loss never enters the logits: like Megatron-Core's MoEAuxLossAutoScaler, the router's routing weights pass
 through `AuxLossScaler`, whose backward hands the aux term a gradient of `scale` (set by the engine so the term is
-averaged like the LM loss: x dp / micro-batches for the DeepSpeed engine, whose reduction divides by dp). Works
-inside pipeline stages as well. Values are recorded per forward for logging (engine.last_aux_loss).
+averaged like the LM loss: x dp / micro-batches for the DeepSpeed engine, whose reduction divides by dp; 1 /
+micro-batches for the pipeline engine). Works inside pipeline stages as well. The values of the back-propagated
+forwards are recorded for logging (engine.last_aux_loss).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor, nn
@@ -39,16 +40,18 @@ SCOPES = ("sub_sequence", "sequence", "global_batch")
 
 
 class AuxLossScaler(torch.autograd.Function):
-    """Forward: `x` unchanged. Backward: x's grad passes through, and `aux` gets d(loss)/d(aux) = scale."""
+    """Forward: `x` unchanged. Backward: x's grad passes through, `aux` gets d(loss)/d(aux) = scale, and the aux
+    value is recorded in `sink` (so a forward without a backward, a shape-inference or recomputed one, is not)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, aux: Tensor, scale: float) -> Tensor:
-        ctx.scale, ctx.aux_dtype = scale, aux.dtype
+    def forward(ctx, x: Tensor, aux: Tensor, scale: float, sink: list) -> Tensor:
+        ctx.scale, ctx.value, ctx.sink = scale, aux.detach(), sink
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+        ctx.sink.append(ctx.value)
+        return grad, torch.full((), ctx.scale, dtype=ctx.value.dtype, device=grad.device), None, None
 
 
 @dataclass
@@ -62,11 +65,12 @@ class AuxLoss:
     scope: str = "sub_sequence"
     z_coeff: float = 0.0
     scale: float = 1.0
+    routers: int = 0  # MoE layers hooked (install_aux_loss)
 
     def __post_init__(self):
         if self.scope not in SCOPES:
             raise ValueError(f"aux loss scope {self.scope!r}: must be one of {', '.join(SCOPES)}")
-        self.values: dict[int, Tensor] = {}  # router id -> last value (a recomputed forward overwrites, not adds)
+        self.values: list[Tensor] = []  # this rank's shares of the forwards back-propagated since the last pop
 
     def _mean_over(self, t: Tensor, names: tuple[str, ...]) -> Tensor:
         n = 1
@@ -100,14 +104,18 @@ class AuxLoss:
         if not router.training or not torch.is_grad_enabled():
             return output
         logits, weights, index = output
-        aux = self.term(logits, index)
-        self.values[id(router)] = aux.detach()
-        return logits, AuxLossScaler.apply(weights, aux, self.scale), index
+        if logits.numel() == 0 or logits.is_meta:  # a shape-only forward (the pipeline schedule's first step)
+            return output
+        return logits, AuxLossScaler.apply(weights, self.term(logits, index), self.scale, self.values), index
 
-    def pop_total(self) -> Tensor:
-        """The sum over this rank's MoE layers of their last forward's values (this rank's shares), then cleared."""
-        total = torch.stack(list(self.values.values())).sum() if self.values else torch.zeros(())
-        self.values = {}
+    def pop_total(self, last: Optional[int] = None) -> Tensor:
+        """The sum of the values recorded since the last call (this rank's shares, every layer and micro-batch that
+        was back-propagated), or of the `last` ones only, then cleared. (torch.distributed.pipelining's first step
+        runs a metadata-inference forward + backward on placeholder inputs before the real micro-batches: the
+        pipeline engine keeps the last routers x micro-batches values.)"""
+        values = self.values[-last:] if last else self.values
+        total = torch.stack(values).sum() if values else torch.zeros(())
+        self.values = []
         return total
 
 
@@ -119,4 +127,5 @@ def install_aux_loss(part: nn.Module, adapter, aux: AuxLoss) -> int:
         if router is not None:
             router.register_forward_hook(aux.hook)
             n += 1
+    aux.routers += n
     return n

@@ -1,6 +1,6 @@
 """Expert-parallel dispatch: this rank's experts run the HF experts' own forward on the tokens routed to them.
 
-    experts = ExpertParallelExperts(hf_experts, layout)     # in place of a HF `mlp.experts` (parallelize does it)
+    experts = ExpertParallelExperts(hf_experts, layout)     # in place of a HF experts module (parallelize)
     out = experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])   # HF's experts signature
 
 Per MoE layer (Megatron-Core's alltoall dispatcher, dropless by default):
@@ -38,8 +38,8 @@ def expert_group_name(layout: ParallelLayout) -> str:
 
 class ExpertParallelExperts(nn.Module):
     """A HF experts module (3-D expert tensors [E, ...], forward(hidden, top_k_index, top_k_weights)) run expert-
-    parallel over layout.group("ep"): it holds this rank's E/ep experts under the HF parameter names (`gate_up_proj`,
-    `down_proj`), cut by the shard spec's expert rule, and the HF module itself (unregistered, same Parameters) to
+    parallel over layout.group("ep"): it holds this rank's E/ep experts under the HF parameter names (the fused
+    expert tensors), cut by the shard spec's expert rule, and the HF module itself (unregistered, same Parameters) to
     run them. `capacity`: optional callable (top_k_index, top_k_weights) -> the same with dropped choices set to the
     sentinel E (moe.capacity); None = dropless."""
 

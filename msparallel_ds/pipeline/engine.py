@@ -104,9 +104,11 @@ class PipelineEngine:
     is_pipeline = True
 
     def __init__(self, hf_model, view, stages, schedule, stage_ids, layout: ParallelLayout, plan, optimizer,
-                 lr_scheduler, device, applied: Applied):
+                 lr_scheduler, device, applied: Applied, records: tuple = ()):
         self._hf, self.model, self.stages, self.schedule = hf_model, view, stages, schedule
         self.applied = applied
+        self._records = tuple(records)  # every chunk's record (each has its own aux-loss state)
+        self.last_aux_loss: Optional[float] = None  # the routers' aux + z loss of the last step (logged apart)
         self.stage_ids, self.layout, self.plan, self.device = stage_ids, layout, plan, device
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.micro_batch_size = plan.micro_batch_size * plan.micro_batch_interleave_num
@@ -154,6 +156,17 @@ class PipelineEngine:
         if clip:
             clip_grad_norm_(params, clip, self.layout, device=self.device)
 
+    def _log_aux_loss(self) -> None:
+        """The routers' aux + z loss of the step (every rank's shares summed, averaged over micro-batches)."""
+        losses = [r.aux_loss for r in self._records if r.aux_loss is not None]
+        if not losses:
+            return
+        forwards = self.plan.micro_batch_num * self.plan.micro_batch_interleave_num
+        t = sum(aux.pop_total(last=aux.routers * forwards).float().cpu() for aux in losses).to(self.device)
+        for name in ("dp_cp", "tp", "pp"):
+            sum_over(self.layout, name, t)
+        self.last_aux_loss = float(t) / self.plan.micro_batch_num
+
     def train_batch(self, batch: Mapping[str, Any]) -> Tensor:
         """One optimizer step on this dp rank's share of the global batch; returns the global-batch mean loss
         (detached, float32) on every rank."""
@@ -170,6 +183,7 @@ class PipelineEngine:
             total += loss.detach().float()
         sum_over(self.layout, "dp_cp", total)
         sum_over(self.layout, "pp", total)  # only the last stage's ranks hold a loss
+        self._log_aux_loss()
         self._sync_and_clip()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -237,6 +251,9 @@ def initialize_pipeline(model: nn.Module, layout: ParallelLayout, optimizer=None
     modules, view, stage_ids = split_model(model, counts, pp_rank, plan.pp_schedule, prepare=lambda stage, chunk: (
         records.append(parallelize_part(stage, layout, options, stage=pp_rank, chunk=chunk))))
     _drop_other_modules(model, view)
+    for record in records:  # the routers' aux loss: averaged over micro-batches (grads are summed over dp x cp)
+        if record.aux_loss is not None:
+            record.aux_loss.scale = 1.0 / plan.micro_batch_num
     device = training_device(layout)
     view.to(device)
     engine_box: list = []
@@ -253,6 +270,6 @@ def initialize_pipeline(model: nn.Module, layout: ParallelLayout, optimizer=None
     else:  # an LR scheduler, or (as DeepSpeed accepts) a callable optimizer -> scheduler
         sched = lr_scheduler if hasattr(lr_scheduler, "step") else lr_scheduler(opt)
     engine = PipelineEngine(model, view, stages, schedule, stage_ids, layout, plan, opt, sched, device,
-                            combine(records))
+                            combine(records), records)
     engine_box.append(engine)
     return engine

@@ -91,7 +91,7 @@ STYLE_PARAM_SHARDS: dict[str, dict[str, Shard]] = {
     "vocab_embedding": {"weight": _VOCAB0},
     "vocab_lm_head": {"weight": _VOCAB0, "bias": _VOCAB0},
     "colwise_kv_replicated": {"weight": _KV, "bias": _KV},
-    "ep_experts": {"*": EXPERT_SHARD},  # every parameter of a HF experts module (gate_up_proj, down_proj, ...)
+    "ep_experts": {"*": EXPERT_SHARD},  # every parameter of a HF experts module (the fused 3-D expert tensors)
 }
 
 

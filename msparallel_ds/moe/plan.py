@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from .config.errors import ConfigError, ConfigIssue
+from ..config.errors import ConfigError, ConfigIssue
 
 if TYPE_CHECKING:
-    from .config.schema import ParallelConfig
-    from .plan import Mesh, Plan
+    from ..config.schema import ParallelConfig
+    from ..plan import Mesh, Plan
 
 SCOPES = {"sub_sequence": "each rank's own tokens (sub_seq_aux_loss; MindFormers' legacy MoE)",
           "sequence": "each sequence (seq_aux_loss)", "global_batch": "the global batch (gbs_aux_loss)"}
