@@ -110,19 +110,28 @@ def _train(name):
 
 
 def _checkpoint_and_hf(save_dir):
-    """dp4 x ep4 (ZeRO-2) trains steps 0-1 and saves; dp2 x tp2 + SP x ep2 (ZeRO-1) loads and trains step 2; its
+    """dp4 x ep4 (ZeRO-2) trains steps 0-1 and saves; dp4 x ep2 (ZeRO-0) loads that file, and dp2 x tp2 + SP x ep2
+    (ZeRO-1) loads its convert-checkpoint folder (tp-sliced; experts cut at load); each trains step 2. The second's
     save_pretrained loads in plain HF and through msp.from_pretrained under ep4 with the same logits."""
     import torch
+    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     import msparallel_ds as msp
+    from msparallel_ds.checkpoint.convert import convert_checkpoint
 
     first = msp.initialize(moe_model(), msp.load_config(moe_yaml(dp=4, zero=2, ep=4)), optimizer=_adamw)
     losses = [_step(first, s) for s in range(2)]
     first.save(f"{save_dir}/ck")
-    second = msp.initialize(moe_model(), msp.load_config(moe_yaml(dp=2, tp=2, sp=True, zero=1, ep=2, bs=2)),
-                            optimizer=_adamw)
-    second.load(f"{save_dir}/ck")
+    other = msp.initialize(moe_model(), msp.load_config(moe_yaml(dp=4, zero=0, ep=2)), optimizer=_adamw)
+    other.load(f"{save_dir}/ck")
+    resumed_other = _step(other, 2)
+    tp_yaml = moe_yaml(dp=2, tp=2, sp=True, zero=1, ep=2, bs=2)
+    if dist.get_rank() == 0:
+        convert_checkpoint(f"{save_dir}/ck", f"{save_dir}/conv", tp_yaml)
+    dist.barrier()
+    second = msp.initialize(moe_model(), msp.load_config(tp_yaml), optimizer=_adamw)
+    second.load(f"{save_dir}/conv")
     losses.append(_step(second, 2))
     second.save_pretrained(f"{save_dir}/hf")
     ids, _ = global_batch(99, 2)
@@ -132,7 +141,7 @@ def _checkpoint_and_hf(save_dir):
         ours = reloaded.eval()(input_ids=ids).logits
         plain = (AutoModelForCausalLM.from_pretrained(f"{save_dir}/hf").eval()(input_ids=ids).logits
                  if lay.global_rank == 0 else ours)
-    return {"losses": losses, "hf_vs_ours": (plain - ours).abs().max().item(),
+    return {"losses": losses, "resumed_other": resumed_other, "hf_vs_ours": (plain - ours).abs().max().item(),
             "reloaded_experts": _expert_numel(reloaded)}
 
 
@@ -200,6 +209,7 @@ def test_expert_parallel_matches_single_process(group, tmp_path):
         ref_losses = _reference("qwen3_moe", 4)[0]
         rel = max(abs(a - b) / abs(b) for a, b in zip(ck["losses"], ref_losses))
         assert rel <= 1e-4, (ck["losses"], ref_losses)  # resumed across ep 4 -> ep 2 (+ tp) = uninterrupted
+        assert abs(ck["resumed_other"] - ref_losses[2]) / ref_losses[2] <= 1e-4, (ck["resumed_other"], ref_losses)
         assert ck["hf_vs_ours"] <= 1e-5, ck["hf_vs_ours"]
         PARITY["checkpoint ep4 -> tp2 x ep2, HF round trip"] = (rel, ck["hf_vs_ours"], 0.0)
         assert ck["reloaded_experts"] * 4 == sum(v.numel() for k, v in _reference("qwen3_moe", 4)[1].items()
