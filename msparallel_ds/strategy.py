@@ -83,7 +83,6 @@ class Applied:
     adapter: Optional[DecoderAdapter]  # None: a model family without an adapter, run with dp / ZeRO / cp only
     tp_plan: dict[str, str]
     spec: ShardSpec                    # tp and ep splits
-
     sequence_parallel: bool
     vocab_parallel: bool
     cp_algo: Optional[str]
