@@ -17,7 +17,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from msparallel_ds.integrations.accelerate import MindFormersAccelerator
+from msparallel_ds.runtime import quiet_deepspeed
 from msparallel_ds.tiny import text_batches, tiny_llama
+
+DEFAULT_LR = 3e-3  # only when the YAML has no optimizer section and no --lr is given
 
 
 def main() -> None:
@@ -25,10 +28,12 @@ def main() -> None:
     ap.add_argument("--config", default=None, help="MindFormers YAML (default: $MSPARALLEL_CONFIG)")
     ap.add_argument("--max-steps", type=int, default=10)
     ap.add_argument("--seq", type=int, default=64, help="tokens per row")
-    ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate when the YAML has no optimizer")
+    ap.add_argument("--lr", type=float, default=None,
+                    help=f"learning rate (default: the YAML's optimizer; {DEFAULT_LR} if it has none)")
     ap.add_argument("--seed", type=int, default=0, help="data offsets and initial weights")
     args = ap.parse_args()
 
+    quiet_deepspeed()  # before DeepSpeed is imported: no per-rank accelerator line or FutureWarning
     torch.set_num_threads(1)
     accelerator = MindFormersAccelerator(args.config)
     plan = accelerator.plan
@@ -42,8 +47,22 @@ def main() -> None:
     loader = DataLoader(dataset, batch_size=plan.micro_batch_size * plan.micro_batch_interleave_num, shuffle=False)
 
     model = tiny_llama(seed=args.seed)
-    optimizer = (accelerator.yaml_optimizer(model.parameters()) if plan.optimizer
-                 else torch.optim.AdamW(model.parameters(), lr=args.lr))
+    if plan.optimizer:
+        optimizer = accelerator.yaml_optimizer(model.parameters())
+        source = "the YAML's optimizer"
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=DEFAULT_LR)
+        source = "the example's default (the YAML has no optimizer: section)"
+    if args.lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr
+        source = "--lr"
+    sched = accelerator.deepspeed_plugin.deepspeed_config.get("scheduler")
+    if sched and args.lr is not None and "warmup_max_lr" in sched["params"]:
+        sched["params"]["warmup_max_lr"] = args.lr  # the schedule's peak follows --lr
+    accelerator.print(f"optimizer: {type(optimizer).__name__} lr={optimizer.param_groups[0]['lr']} ({source}); "
+                      + (f"lr schedule: {sched['type']} {sched['params']} (the YAML's lr_schedule)" if sched
+                         else "lr schedule: constant (the YAML has none)"))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # parallelized here
 
     model.train()

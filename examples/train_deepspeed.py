@@ -15,14 +15,46 @@ Both launchers set RANK / WORLD_SIZE / MASTER_ADDR; the deepspeed launcher also 
 and ignored here (LOCAL_RANK is in the environment too). On a machine without a GPU, msp.initialize starts gloo;
 `deepspeed --num_gpus N` then needs DS_ACCELERATOR=cpu (the launcher counts CPU "devices" by NUMA node otherwise).
 The model is built from a LlamaConfig (no download) and trains on the public-domain text shipped with the package
-(byte tokens). Rank 0 prints the global-batch mean loss of every step.
+(byte tokens). Optimizer and learning-rate schedule come from the YAML (`optimizer:`, `lr_schedule:`), the same as
+under the accelerate and Trainer examples; `--lr` overrides the learning rate (the schedule's peak too). Rank 0
+prints which optimizer and schedule run, then the global-batch mean loss of every step.
 """
 import argparse
 
 import torch
 
 import msparallel_ds as msp
+from msparallel_ds.runtime import quiet_deepspeed
 from msparallel_ds.tiny import dp_rows, text_batches, tiny_llama
+
+DEFAULT_LR = 3e-3  # only when the YAML has no optimizer section and no --lr is given
+
+
+def optimizer_choice(plan, lr):
+    """(optimizer factory or None for the YAML's, deepspeed_config overrides, a line saying what runs)."""
+    yaml_opt = plan.optimizer
+    if yaml_opt and yaml_opt["type"] != "AdamW" and lr is None:
+        return None, {}, f"optimizer: the YAML's {yaml_opt['mindformers_type']} (msp.initialize decides)"
+    params = dict(yaml_opt["params"]) if yaml_opt and yaml_opt["type"] == "AdamW" else {}
+    source = "the YAML's optimizer" if params else "the example's default (the YAML has no optimizer: section)"
+    if lr is not None:
+        params["lr"], source = lr, "--lr" + (" over the YAML's optimizer" if yaml_opt else "")
+    params.setdefault("lr", DEFAULT_LR)
+    if "betas" in params:
+        params["betas"] = tuple(params["betas"])
+    overrides = {}
+    sched = plan.to_deepspeed().get("scheduler")
+    if sched and lr is not None and plan.mesh.pp == 1 and "warmup_max_lr" in sched["params"]:
+        sched = {**sched, "params": {**sched["params"], "warmup_max_lr": lr}}
+        overrides["scheduler"] = sched  # the schedule's peak follows --lr
+    what = (f"lr schedule: {sched['type']} {sched['params']} (the YAML's lr_schedule)" if sched
+            else "lr schedule: constant (the YAML has none)")
+    if sched and lr is not None and not overrides:
+        what += ", its peak lr unchanged by --lr under pipeline_stage > 1"
+    line = f"optimizer: AdamW {params} ({source}); {what}"
+    if yaml_opt and lr is None:  # exactly what msp.initialize builds from the YAML
+        return None, {}, line
+    return (lambda p: torch.optim.AdamW(p, **params)), overrides, line
 
 
 def main() -> None:
@@ -30,19 +62,23 @@ def main() -> None:
     ap.add_argument("--config", required=True, help="MindFormers YAML")
     ap.add_argument("--max-steps", type=int, default=10)
     ap.add_argument("--seq", type=int, default=64, help="tokens per row")
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=None,
+                    help=f"learning rate (default: the YAML's optimizer; {DEFAULT_LR} if it has none)")
     ap.add_argument("--save-dir", default=None, help="engine.save here every --save-every steps")
     ap.add_argument("--save-every", type=int, default=1)
     ap.add_argument("--resume", default=None, help="engine.load this checkpoint and continue after its step")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
     args = ap.parse_args()
 
+    quiet_deepspeed()  # before DeepSpeed is imported: no per-rank accelerator line or FutureWarning
     torch.set_num_threads(1)
     cfg = msp.load_config(args.config)
-    engine = msp.initialize(tiny_llama, cfg, optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr))
+    optimizer, overrides, line = optimizer_choice(msp.make_plan(cfg), args.lr)
+    engine = msp.initialize(tiny_llama, cfg, optimizer=optimizer, deepspeed_config=overrides or None)
     lay = engine.layout
     if lay.global_rank == 0:
         print(engine.plan.summary(), flush=True)
+        print(line, flush=True)
     done = engine.load(args.resume)["global_steps"] if args.resume else 0
     for step, batch in enumerate(text_batches(args.max_steps, engine.plan.global_batch_size, args.seq)):
         if step < done:  # the same data order as the uninterrupted run

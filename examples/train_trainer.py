@@ -26,6 +26,7 @@ from msparallel_ds.integrations.trainer import (
     MindFormersTrainer,
     training_arguments_from_yaml,
 )
+from msparallel_ds.runtime import quiet_deepspeed
 from msparallel_ds.tiny import text_tokens, tiny_llama
 
 
@@ -63,15 +64,23 @@ def main() -> None:
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
     args = ap.parse_args()
 
+    quiet_deepspeed()  # before DeepSpeed is imported: no per-rank accelerator line or FutureWarning
     torch.set_num_threads(1)
     cfg = resolve_config(args.config)  # --config, else $MSPARALLEL_CONFIG
     training_args = training_arguments_from_yaml(
         cfg, output_dir=args.output_dir, max_steps=args.max_steps, logging_steps=1, save_strategy="no",
-        report_to=[], seed=args.seed, disable_tqdm=False, **({"learning_rate": args.lr} if args.lr else {}))
+        report_to=[], seed=args.seed, disable_tqdm=False,
+        **({"learning_rate": args.lr} if args.lr is not None else {}))
     rows = msp.make_plan(cfg).global_batch_size * args.max_steps
     trainer = MindFormersTrainer(model=tiny_llama(seed=args.seed), args=training_args,
                                  train_dataset=TextWindows(rows, args.seq, args.seed), parallel_config=cfg,
                                  callbacks=[PrintLoss()])
+    if trainer.is_world_process_zero():
+        source = "--lr" if args.lr is not None else "the YAML's optimizer" if cfg.optimizer else "the Trainer default"
+        optim, sched = (getattr(x, "value", x) for x in (training_args.optim, training_args.lr_scheduler_type))
+        sched_source = "the YAML's lr_schedule" if cfg.lr_schedule else "the YAML has none"
+        print(f"optimizer: {optim} lr={training_args.learning_rate} ({source}); lr schedule: {sched} "
+              f"({sched_source}), warmup {training_args.warmup_steps} steps", flush=True)
     trainer.train()
     trainer.save_model()
 

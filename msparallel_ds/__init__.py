@@ -18,13 +18,22 @@ def init_parallel(cfg_or_plan, **kwargs):
 
 def from_pretrained(checkpoint_dir, cfg_or_layout, **kwargs):
     """A HF causal LM built on the meta device, parallelized for the YAML (or a ParallelLayout) and filled with only
-    this rank's shards of the checkpoint (no rank materializes the full model). kwargs: dtype, device, model_cls."""
+    this rank's shards of the checkpoint (no rank materializes the full model). kwargs: dtype, device, model_cls.
+    Given a YAML outside a launcher (plain python), it starts the process group the way msp.initialize does."""
+    from .checkpoint.hf import check_checkpoint_dir
+    from .checkpoint.hf import from_pretrained as _load
     from .distributed.layout import ParallelLayout
     from .strategy import parallelize
-    from .checkpoint.hf import from_pretrained as _load
 
-    layout = cfg_or_layout if isinstance(cfg_or_layout, ParallelLayout) else init_parallel(
-        cfg_or_layout if isinstance(cfg_or_layout, ParallelConfig) else load_config(cfg_or_layout))
+    check_checkpoint_dir(checkpoint_dir)  # before any process group is started
+    if isinstance(cfg_or_layout, ParallelLayout):
+        layout = cfg_or_layout
+    else:
+        from .runtime import ensure_distributed
+
+        cfg = cfg_or_layout if isinstance(cfg_or_layout, ParallelConfig) else load_config(cfg_or_layout)
+        ensure_distributed(None)
+        layout = init_parallel(cfg)
     return _load(checkpoint_dir, layout, parallelize_fn=parallelize, **kwargs)
 
 
@@ -50,5 +59,5 @@ def __getattr__(name):
 
 
 __all__ = ["ConfigError", "ConfigWarning", "Engine", "ParallelConfig", "Plan", "ParallelLayout",
-           "context_parallel_attention", "from_pretrained", "init_parallel", "initialize", "load_config", "make_plan", "parallelize",
-           "shard_batch", "shard_sequence", "unshard_sequence"]
+           "context_parallel_attention", "from_pretrained", "init_parallel", "initialize", "load_config", "make_plan",
+           "parallelize", "shard_batch", "shard_sequence", "unshard_sequence"]

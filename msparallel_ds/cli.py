@@ -65,12 +65,19 @@ def _cmd_export(args) -> int:
     else:
         import yaml
 
-        src = Path(args.file).resolve()
-        text = (f"# accelerate launch config made by msparallel-ds from {src}\n"
-                f"# run with: MSPARALLEL_CONFIG={src} accelerate launch --config_file THIS_FILE script.py\n"
-                + yaml.safe_dump(plan.to_accelerate(), sort_keys=False))
+        from .export.accelerate import header, pipeline_note
+
+        if pipeline_note(plan):
+            warnings.warn(pipeline_note(plan), ConfigWarning, stacklevel=1)
+        text = header(plan, str(Path(args.file).resolve())) + yaml.safe_dump(plan.to_accelerate(), sort_keys=False)
     if args.output:
-        Path(args.output).write_text(text)
+        try:
+            Path(args.output).write_text(text)
+        except OSError as exc:  # the user's path: a message and exit 2, not an internal error
+            print(f"error: cannot write --output {args.output}: {exc.strerror or exc} (check that the folder "
+                  f"{Path(args.output).parent} exists and is writable, or leave out -o to print to stdout)",
+                  file=sys.stderr)
+            return 2
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)
@@ -80,17 +87,29 @@ def _cmd_export(args) -> int:
 def _cmd_demo(args) -> int:
     from .demo import run_demo
 
-    if args.steps < 1:
-        print("error: --steps must be >= 1", file=sys.stderr)
+    problems = [f"--steps {args.steps} must be >= 1"] if args.steps < 1 else []
+    if args.nproc is not None and args.nproc < 1:
+        problems.append(f"--nproc {args.nproc} must be >= 1 (leave it out to use the YAML's world size)")
+    if not _positive_seconds(args.timeout):
+        problems.append(f"--timeout {args.timeout} must be a positive number of seconds (default 300)")
+    if problems:
+        print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
     result = run_demo(args.config, args.nproc, args.steps, timeout=args.timeout,
                       echo=lambda line: print(line, flush=True))
     return 0 if result["finite"] else 1
 
 
+def _positive_seconds(x: float) -> bool:
+    return x > 0 and x != float("inf")  # NaN fails x > 0
+
+
 def _cmd_convert(args) -> int:
     from .checkpoint.convert import convert_checkpoint
 
+    if not _positive_seconds(args.timeout):
+        print(f"error: --timeout {args.timeout} must be a positive number of seconds (default 600)", file=sys.stderr)
+        return 2
     try:
         index = convert_checkpoint(args.src, args.dst, args.to_config, timeout=args.timeout,
                                    echo=lambda line: print(line, flush=True))

@@ -102,6 +102,10 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 def run_demo(config: Optional[str] = None, nproc: Optional[int] = None, steps: int = 10, *, timeout: float = 300,
              echo: Callable[[str], None] = print) -> dict:
     """Train on `nproc` forked processes, then in one process; returns losses and the parity figures."""
+    if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
+        raise ValueError(f"nproc={nproc!r} must be a positive int (or None: the YAML's world size)")
+    if not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
     import torch  # noqa: F401  heavy imports before forking, so the workers share them
     import transformers.models.llama.modeling_llama  # noqa: F401
 
@@ -116,7 +120,7 @@ def run_demo(config: Optional[str] = None, nproc: Optional[int] = None, steps: i
 
     path = Path(config) if config else DEMO_CONFIG
     cfg = _demo_config(path)
-    world = nproc or cfg.dp * cfg.tp * cfg.cp * cfg.pp
+    world = nproc if nproc is not None else cfg.dp * cfg.tp * cfg.cp * cfg.pp
     plan = make_plan(cfg, world_size=world)
     seq = cfg.model.seq_length or 64
     echo(f"msparallel-ds demo: {path}\n")
@@ -137,7 +141,8 @@ def run_demo(config: Optional[str] = None, nproc: Optional[int] = None, steps: i
     def progress(rank, message):
         step, loss = message
         losses[step] = loss
-        echo(f"  step {step + 1:3d}/{steps} {_bar(step + 1, steps)} loss {loss:.5f}  ({time.monotonic() - start:.1f} s)")
+        elapsed = time.monotonic() - start
+        echo(f"  step {step + 1:3d}/{steps} {_bar(step + 1, steps)} loss {loss:.5f}  ({elapsed:.1f} s)")
 
     run_local(_worker, world, (cfg, batches), timeout=timeout, on_message=progress)
     parallel_s = time.monotonic() - start

@@ -14,6 +14,9 @@ What train_batch does, and why:
 - cp > 1: each micro-batch is sharded with context_parallel.batch.shard_batch (labels shifted before the split,
   global position_ids, doc_ids for packed rows). tp ranks of one dp rank must be fed the same batch.
 - The returned loss is the global-batch mean on every rank (sum all-reduced over dp x cp; tp peers agree).
+- fp32/bf16: a non-finite global loss stops the run before the optimizer step, a non-finite global gradient norm at
+  the step it appears (checkpoint.format.check_finite_step, FloatingPointError naming the step); fp16 keeps
+  DeepSpeed's dynamic loss scaling (an overflowing step is skipped and counted).
 
 With parallel_config.pipeline_stage > 1, msp.initialize returns msparallel_ds.pipeline.engine.PipelineEngine instead
 (torch.distributed.pipelining schedules; same train_batch / save / load / save_pretrained surface and loss semantics).
@@ -31,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from . import runtime
+from .checkpoint.format import check_finite_step, grads_norm_flag
 from .distributed.collectives import sum_over
 from .distributed.layout import ParallelLayout
 from .loss import check_batch, global_token_count, token_loss_sum
@@ -112,17 +116,17 @@ class Engine:
 
                 loss = copy_loss_terms(self._token_loss_sum, logits, targets, labels[rows], interleave.copies)
                 self.ds.backward(loss / self.gradient_accumulation_steps, scale_wrt_gas=False)
-                self._clip_before_step(m)
-                self.ds.step()
                 total += loss.detach().float()
+                self._before_step(m, total)
+                self.ds.step()
                 continue
             loss_sum = self._token_loss_sum(logits, targets)
             self.ds.backward(loss_sum * (self._grad_divisor / n_tokens), scale_wrt_gas=False)
-            self._clip_before_step(m)
-            self.ds.step()
             total += loss_sum.detach().float()
+            self._before_step(m, total)
+            self.ds.step()
             self._aux_sum = self._aux_sum + self._pop_aux()
-        sum_over(self.layout, "dp_cp", total)
+        self._after_step()
         self._log_aux_loss()
         self.global_steps += 1
         if summed_copies:  # MindFormers logs the summed loss / N; averaged over dp ranks and micro-batches
@@ -142,12 +146,33 @@ class Engine:
         sum_over(self.layout, "tp", t)
         self.last_aux_loss = float(t) / self.gradient_accumulation_steps
 
-    def _clip_before_step(self, micro: int) -> None:
-        if self._own_clip and micro == self.gradient_accumulation_steps - 1:  # grads are reduced at the boundary
+    def _before_step(self, micro: int, total: Tensor) -> None:
+        """At the accumulation boundary, before DeepSpeed's optimizer step: the step's loss summed over dp x cp (the
+        global value on every rank) must be finite, and our own clipping runs. fp16 keeps DeepSpeed's dynamic loss
+        scaling, which skips an overflowing step and counts it (as MindSpore does), so it is not checked here."""
+        if micro != self.gradient_accumulation_steps - 1:
+            return
+        sum_over(self.layout, "dp_cp", total)
+        guard = not self.ds.fp16_enabled()
+        if guard:
+            check_finite_step(self.global_steps, loss=total)
+        params = [p for p in self.model.parameters() if p.requires_grad and p.grad is not None]
+        if self._own_clip:  # grads are reduced at the boundary
             from .distributed.collectives import clip_grad_norm_
 
-            params = [p for p in self.model.parameters() if p.requires_grad and p.grad is not None]
             self._own_norm = float(clip_grad_norm_(params, self._own_clip, self.layout, device=self.device))
+            if guard:
+                check_finite_step(self.global_steps, grad_norm=self._own_norm)
+        elif guard and self.ds.zero_optimization_stage() == 0:  # DeepSpeed's ZeRO-0 step keeps no norm
+            check_finite_step(self.global_steps, grad_norm=grads_norm_flag(params, self.device))
+
+    def _after_step(self) -> None:
+        """DeepSpeed computes the global gradient norm inside its step: a non-finite one stops the run at this step
+        (the update has been applied; engine.save refuses the non-finite state)."""
+        if not self._own_clip and not self.ds.fp16_enabled():
+            norm = self.ds.get_global_grad_norm()
+            if norm is not None:
+                check_finite_step(self.global_steps, grad_norm=norm, updated=True)
 
     @property
     def global_grad_norm(self) -> Optional[float]:
@@ -224,6 +249,7 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer:
         return initialize_pipeline(model, layout, optimizer, lr_scheduler=lr_scheduler)
     model = parallelize(model, layout)  # a no-op for a model msp.parallelize already did for this layout
     model.to(runtime.training_device(layout))
+    runtime.cpu_float32(model, layout, plan)  # a model.half() on CPU trains in float32 (DeepSpeed's CPU path)
     ds_config = runtime.deepspeed_config(plan, layout, overrides=deepspeed_config, own_clip=True)
     params = [p for p in model.parameters() if p.requires_grad]
     if isinstance(optimizer, torch.optim.Optimizer):

@@ -22,11 +22,50 @@ __all__ = ["check_batch", "global_token_count", "token_loss_sum"]
 def check_batch(batch: Mapping[str, Any], engine, accumulation_key: str) -> tuple[Tensor, Tensor]:
     """(input_ids, labels) of train_batch's `batch`, which must be this dp rank's share of one global step:
     engine.micro_batch_size x engine.gradient_accumulation_steps rows (accumulation_key names the YAML key of the
-    latter)."""
+    latter) of integer [rows, seq] tensors, seq >= 1.
+
+    Peer agreement (on by default): the tp, cp and pp peers of a dp rank must be fed the same rows, else they would
+    train silently on a mixture (or abort inside a collective on different shapes). Before the step's first
+    collective, every rank all-gathers a few int64 (ok flag, shapes, dtypes, two content hashes of input_ids and
+    labels) over each of those groups, and all of them raise one clear error when any peer differs or rejected its
+    batch. Set `engine.check_batch_agreement = False` to skip these tiny collectives (the local checks still run).
+    """
+    error: Optional[Exception] = None
+    try:
+        ids, labels = _local_check(batch, engine, accumulation_key)
+    except (TypeError, ValueError) as e:
+        ids = labels = None
+        error = e
+    if getattr(engine, "check_batch_agreement", True):
+        _check_agreement(engine, ids, labels, error)
+    if error is not None:
+        raise error
+    return ids, labels
+
+
+def _integer_tensor(x: Any, name: str) -> Tensor:
+    if not isinstance(x, Tensor) or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        got = f"a {x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+        raise TypeError(f"train_batch: batch[{name!r}] must be an integer torch.Tensor [rows, seq] of token ids, "
+                        f"got {got}: convert it with torch.as_tensor(x, dtype=torch.long)")
+    return x
+
+
+def _local_check(batch: Mapping[str, Any], engine, accumulation_key: str) -> tuple[Tensor, Tensor]:
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"train_batch needs a dict batch {{'input_ids': ..., 'labels': ...}}, got "
+                        f"{type(batch).__name__}")
     ids = batch.get("input_ids")
-    if ids is None or ids.dim() != 2:
+    if ids is None:
         raise ValueError("train_batch needs batch['input_ids'] of shape [rows, seq] (this dp rank's share of the "
                          "global batch)")
+    ids = _integer_tensor(ids, "input_ids")
+    if ids.dim() != 2:
+        raise ValueError(f"train_batch needs batch['input_ids'] of shape [rows, seq] (this dp rank's share of the "
+                         f"global batch), got shape {tuple(ids.shape)}")
+    if ids.shape[1] == 0:
+        raise ValueError(f"train_batch got input_ids of shape {tuple(ids.shape)}: sequence length 0; every row needs "
+                         f"at least one token (drop empty batches in the data loader)")
     rows = engine.micro_batch_size * engine.gradient_accumulation_steps
     if ids.shape[0] != rows:
         raise ValueError(
@@ -34,10 +73,81 @@ def check_batch(batch: Mapping[str, Any], engine, accumulation_key: str) -> tupl
             f"runner_config.batch_size x micro_batch_interleave_num ({engine.micro_batch_size}) x {accumulation_key} "
             f"({engine.gradient_accumulation_steps}); global batch {engine.plan.global_batch_size} / data_parallel "
             f"{engine.layout.size('dp')}")
-    labels = batch.get("labels", ids)
+    labels = _integer_tensor(batch.get("labels", ids), "labels")
     if labels.shape != ids.shape:
         raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(ids.shape)}")
     return ids, labels
+
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_N_META = 10  # input_ids rows, seq, dtype; labels rows, seq, dtype; two hashes of each
+
+
+def _content_hash(t: Tensor) -> list[int]:
+    """Two int64 sums (plain, position-weighted; wrapping arithmetic, so any device and order gives the same)."""
+    x = t.detach().reshape(-1).to(torch.int64)
+    w = torch.arange(1, x.numel() + 1, dtype=torch.int64, device=x.device) * 2654435761 + 40503
+    return torch.stack([x.sum(), (x * w).sum()]).tolist()
+
+
+def _check_agreement(engine, ids: Optional[Tensor], labels: Optional[Tensor], error: Optional[Exception]) -> None:
+    """All-gather [ok, shapes, dtypes, hashes, peer-failed flag] over tp, then cp, then pp (those of size > 1). The
+    flag carries an earlier group's failure into the next gathers, so every rank of the dp rank's tp x cp x pp
+    block raises, never just some of them (which would leave the others in the step's next collective)."""
+    layout = engine.layout
+    dims = [d for d in ("tp", "cp", "pp") if layout.size(d) > 1]
+    if not dims:
+        return
+    from .distributed.collectives import dtype_code, gather_ints
+
+    if error is None:
+        same = labels is ids
+        ids_hash = _content_hash(ids)
+        meta = [*ids.shape, dtype_code(ids.dtype), *labels.shape, dtype_code(labels.dtype), *ids_hash,
+                *(ids_hash if same else _content_hash(labels))]
+    else:
+        meta = [0] * _N_META
+    problems: list[str] = []
+    device = getattr(engine, "device", None)
+    for dim in dims:
+        rows = gather_ints([int(error is None), *meta, int(bool(problems))], layout.group(dim), device)
+        ranks = layout.ranks(dim)
+        rejected = [f"{dim} rank {i} (global rank {ranks[i]})" for i, r in enumerate(rows) if not r[0]]
+        if rejected and error is None:
+            problems.append(f"{', '.join(rejected)} rejected its batch (see the error on that rank)")
+        if any(r[-1] for r in rows) and not problems:
+            problems.append("peers in another group of this dp rank's tp x cp x pp block disagree (see their "
+                            "errors)")
+        ok = [r for r in rows if r[0]]
+        if error is None and not problems and any(r[1:-1] != ok[0][1:-1] for r in ok):
+            problems.append(_disagreement(dim, rows, ranks))
+    if problems and error is None:
+        raise ValueError(f"train_batch: the peers of this dp rank were fed different batches: {'; '.join(problems)}. "
+                         f"tp, cp and pp peers of a dp rank must get the same rows (same shape, dtype and token ids): "
+                         f"shard the data over data_parallel ranks only, e.g. DistributedSampler(dataset, "
+                         f"num_replicas=layout.size('dp'), rank=layout.rank('dp')) or msparallel_ds.tiny.dp_rows, "
+                         f"not over the world. (engine.check_batch_agreement = False skips this check.)")
+
+
+def _disagreement(dim: str, rows: list[list[int]], ranks: tuple[int, ...]) -> str:
+    """Which peers differ from peer 0 of `dim`, and in what: shape, dtype or contents."""
+    from .distributed.collectives import dtype_code
+
+    names = {dtype_code(d): str(d) for d in _INT_DTYPES}
+    base, parts = rows[0][1:-1], []
+    for i, row in enumerate(rows[1:], start=1):
+        m, what = row[1:-1], []
+        for name, at, hashed in (("input_ids", 0, 6), ("labels", 3, 8)):
+            if m[at:at + 2] != base[at:at + 2]:
+                what.append(f"{name} shape {tuple(m[at:at + 2])} vs {tuple(base[at:at + 2])}")
+            elif m[at + 2] != base[at + 2]:
+                what.append(f"{name} dtype {names.get(m[at + 2], '?')} vs {names.get(base[at + 2], '?')}")
+            elif m[hashed:hashed + 2] != base[hashed:hashed + 2]:
+                what.append(f"{name} contents (same shape, other token ids)")
+        if what:
+            parts.append(f"{dim} rank {i} (global rank {ranks[i]}) differs from {dim} rank 0 (global rank "
+                         f"{ranks[0]}) in {', '.join(what)}")
+    return "; ".join(parts)
 
 
 def global_token_count(labels: Tensor, layout: ParallelLayout, device) -> Tensor:

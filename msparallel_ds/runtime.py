@@ -13,8 +13,19 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from .distributed.layout import ParallelLayout
 
-__all__ = ["deepspeed_config", "disable_inference_shm_build", "ensure_distributed", "torch_optimizer",
-           "training_device"]
+__all__ = ["cpu_float32", "deepspeed_config", "disable_inference_shm_build", "ensure_distributed",
+           "quiet_deepspeed", "torch_optimizer", "training_device"]
+
+
+def quiet_deepspeed() -> None:
+    """For scripts, before DeepSpeed is imported: on a machine without CUDA name DeepSpeed's accelerator (cpu), so
+    no rank prints "Setting accelerator to CPU ... unable to detect it"; and silence the FutureWarnings DeepSpeed
+    triggers by calling torch's deprecated collectives (nothing for the user to act on)."""
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"deepspeed(\.|$)")
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\..* (is|will be) deprecated",
+                            category=FutureWarning)
 
 
 def ensure_distributed(timeout_s: Optional[float]) -> None:
@@ -37,6 +48,23 @@ def training_device(layout: ParallelLayout) -> torch.device:
     if layout.device_type == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device(layout.device_type)
+
+
+def cpu_float32(model: torch.nn.Module, layout: ParallelLayout, plan=None) -> torch.nn.Module:
+    """Off CUDA, DeepSpeed trains in float32 only (deepspeed_config drops fp16/bf16 there): a model in float16 or
+    bfloat16 (e.g. `model.half()`) would fail inside DeepSpeed's gradient reduction ("unsupported grad type"). Cast it
+    to float32 in place (Parameter objects are kept, so an optimizer built on them stays valid), saying so."""
+    if layout.device_type == "cuda":
+        return model
+    half = sorted({str(t.dtype).replace("torch.", "") for t in (*model.parameters(), *model.buffers())
+                   if t.dtype in (torch.float16, torch.bfloat16)})
+    if half:
+        yaml = (f"; the YAML's model.model_config.compute_dtype={plan.config.model.compute_dtype} applies on GPUs"
+                if plan is not None else "")
+        warnings.warn(f"the model's {'/'.join(half)} parameters are cast to float32: DeepSpeed trains in float32 "
+                      f"on {layout.device_type} (its half-precision paths need an accelerator){yaml}", stacklevel=3)
+        model.float()
+    return model
 
 
 def torch_optimizer(plan) -> Callable[[list], torch.optim.Optimizer]:

@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ["examples/train_deepspeed.py", "--max-steps", "3"]
+SCRIPT = ["examples/train_deepspeed.py", "--max-steps", "3", "--lr", "3e-3"]  # one lr for every YAML compared
 
 
 def _losses(cmd, steps=3, **env):
@@ -99,8 +99,9 @@ def test_killed_run_resumes_under_another_layout(tmp_path):
 
     ckpt = tmp_path / "ckpt"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4"]
-    proc = subprocess.Popen([*torchrun, "examples/train_deepspeed.py", "--config", "configs/tiny_dp2_tp2.yaml",
-                             "--max-steps", "1000", "--save-dir", str(ckpt), "--save-every", "2"], cwd=ROOT,
+    proc = subprocess.Popen([*torchrun, "examples/train_deepspeed.py", "--lr", "3e-3",
+                             "--config", "configs/tiny_dp2_tp2.yaml", "--max-steps", "1000", "--save-dir", str(ckpt),
+                             "--save-every", "2"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 240

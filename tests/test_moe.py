@@ -256,8 +256,6 @@ def test_mindformers_select_patterns_name_moe_parts():
 
 def _accelerate_moe(rank, world_size):
     """HF-style loop under MindFormersAccelerator (accelerate + DeepSpeed ZeRO-2) with dp4 x ep2."""
-    import torch
-
     from msparallel_ds.integrations.accelerate import MindFormersAccelerator
 
     accelerator = MindFormersAccelerator(moe_yaml(dp=4, zero=2, ep=2))

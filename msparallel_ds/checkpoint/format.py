@@ -11,26 +11,36 @@ exactly the steps the uninterrupted one would have. Rank 0 holds the full state 
 fit in one host's memory (resharding a 70B run would stream per parameter instead).
 
 The file is written under a temporary name and renamed into place, so a run killed while saving leaves the
-previous checkpoint intact; a missing, truncated or foreign file is one clear error. `msparallel-ds
+previous checkpoint intact (its stale `.tmp-*.pt` is removed by the next save into that folder); a missing,
+truncated or foreign file is one clear error. Saves are agreed on by every rank (write_agreed): rank 0 refuses
+non-finite state and reports any failure (disk full: "no space left on device writing PATH") to all ranks, which
+raise the same CheckpointSaveError instead of waiting in a barrier. Every tensor's crc32 is stored at save time and
+checked at load (flipped bytes are an error); files written before that load with a warning. `msparallel-ds
 convert-checkpoint SRC DST --to-config NEW.yaml` (checkpoint.convert) pre-slices a checkpoint for another layout
 offline: DST holds one file per (pp, tp) coordinate (SHARDED_FORMAT, same keys, tensors already sliced) plus the
 index SHARDED_INDEX, and engine.load reads only its own file.
 """
 from __future__ import annotations
 
+import errno
+import glob
 import json
+import math
 import os
 import tempfile
-from typing import TYPE_CHECKING, Any
+import warnings
+import zlib
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 if TYPE_CHECKING:
     from ..distributed.layout import ParallelLayout
 
-__all__ = ["FILE", "FORMAT", "SHARDED_FORMAT", "SHARDED_INDEX", "atomic_save", "check_names", "record_for",
-           "resume_progress",
-           "read_checkpoint_file", "read_for_layout", "shard_file"]
+__all__ = ["FILE", "FORMAT", "SHARDED_FORMAT", "SHARDED_INDEX", "CheckpointSaveError", "atomic_save",
+           "agreed", "check_finite_step", "check_names", "grads_norm_flag", "check_model_config", "nonfinite_tensors", "record_for",
+           "resume_progress", "read_checkpoint_file", "read_for_layout", "shard_file", "verify_checksums",
+           "write_agreed"]
 
 FILE = "msp_universal.pt"
 FORMAT = "msparallel_ds.universal/1"
@@ -47,6 +57,11 @@ def atomic_save(obj: Any, path: str) -> None:
     """torch.save to a temporary name in the same folder, then rename: readers see the old file or the new one."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
+    for stale in glob.glob(os.path.join(glob.escape(folder), ".tmp-*.pt")):  # left by a save killed mid-write
+        try:
+            os.remove(stale)
+        except OSError:
+            pass
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -109,7 +124,8 @@ def record_for(engine, params: dict, optimizer_step: float, model) -> dict[str, 
     sched, config = engine.lr_scheduler, getattr(model, "config", None)
     return {"format": FORMAT, "params": params, "optimizer_step": optimizer_step, "global_steps": engine.global_steps,
             "lr_scheduler": sched.state_dict() if sched is not None else None,
-            "model_config": config.to_dict() if hasattr(config, "to_dict") else None}
+            "model_config": config.to_dict() if hasattr(config, "to_dict") else None,
+            "checksum": "crc32", "checksums": checksums(params)}
 
 
 def resume_progress(engine, ck: dict[str, Any]) -> dict[str, Any]:
@@ -121,3 +137,165 @@ def resume_progress(engine, ck: dict[str, Any]) -> dict[str, Any]:
     engine.global_steps = ck["global_steps"]
     dist.barrier()
     return {"global_steps": ck["global_steps"], "optimizer_step": ck["optimizer_step"]}
+
+
+# ---------------------------------------------------------------------------------------------- finite state
+class CheckpointSaveError(RuntimeError):
+    """engine.save failed (on any rank): raised on every rank with the same message; the previous file is kept."""
+
+
+def check_finite_step(steps_done: int, *, loss=None, grad_norm=None, updated: bool = False) -> None:
+    """The finite-loss / grad-norm guard of both engines (fp32/bf16; fp16 keeps DeepSpeed's skip-and-count).
+    `loss` and `grad_norm` are global values (the same on every rank), so every rank raises at the same step."""
+    for what, value in (("global-batch loss", loss), ("global gradient norm", grad_norm)):
+        if value is None:
+            continue
+        v = float(value)
+        if math.isfinite(v):
+            continue
+        done = ("the optimizer step has already run, so the weights may be non-finite now (engine.save will refuse "
+                "them)" if updated else "the optimizer step was not taken")
+        raise FloatingPointError(
+            f"train_batch: the {what} is {v} at step {steps_done + 1} (engine.global_steps={steps_done} before it); "
+            f"{done}. Training diverged or this step's batch holds bad values: lower the learning rate "
+            "(optimizer.learning_rate, or a longer warmup), enable gradient clipping (runner_wrapper.max_grad_norm), "
+            "check this step's data, and resume from the last good checkpoint with engine.load")
+
+
+def grads_norm_flag(params, device) -> float:
+    """For a step that computes no gradient norm: nan when any rank's gradients hold NaN/inf, else 0.0 (one
+    all-reduce over the world, so every rank takes the same verdict; tp shards differ between ranks)."""
+    import torch.distributed as dist
+
+    local = [torch.linalg.vector_norm(p.grad.float()) for p in params if p.grad is not None]
+    bad = torch.tensor(float(bool(local) and not bool(torch.isfinite(torch.stack(local)).all())), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return float("nan") if bad.item() else 0.0
+
+
+def nonfinite_tensors(params: dict) -> list[str]:
+    """'name/key' of every tensor in a {name: {key: tensor}} record holding NaN or inf."""
+    return [f"{name}/{k}" for name, rec in params.items() for k, t in rec.items()
+            if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def _no_space(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:  # torch's writer hides ENOSPC in the chained exception
+        seen.add(id(e))
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _save_failure(e: BaseException, path: str) -> str:
+    if isinstance(e, CheckpointSaveError):
+        return str(e)
+    if _no_space(e):
+        return (f"engine.save: no space left on device writing {path}; free space on that disk or save to another "
+                "folder (the previous checkpoint there is kept)")
+    return (f"engine.save: writing {path} failed on global rank 0 ({type(e).__name__}: {e}); the previous "
+            "checkpoint there is kept")
+
+
+def write_agreed(record: Optional[dict], path: str, device=None) -> None:
+    """Every rank calls; global rank 0 passes the record and writes it (refusing non-finite tensors), the others
+    None. The outcome is broadcast, so a failure on rank 0 is the same CheckpointSaveError on every rank (no rank
+    is left in a barrier)."""
+    import torch.distributed as dist
+
+    message, cause = None, None
+    if record is not None:
+        try:
+            bad = nonfinite_tensors(record["params"])
+            if bad:
+                raise CheckpointSaveError(
+                    f"engine.save: refusing to write non-finite training state to {path}: {len(bad)} tensors hold "
+                    f"NaN/inf (first: {bad[:3]}); the previous checkpoint there is kept. Training diverged: lower "
+                    "the learning rate or check the data, and resume from the kept checkpoint with engine.load")
+            atomic_save(record, path)
+        except Exception as e:  # reported to every rank below
+            message, cause = _save_failure(e, path), e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [message]
+        dev = device if device is not None and torch.device(device).type == "cuda" else None
+        dist.broadcast_object_list(box, src=0, device=dev)
+        message = box[0]
+    if message is not None:
+        raise CheckpointSaveError(message) from cause
+
+
+# ---------------------------------------------------------------------------------------------- load checks
+def agreed(fn, what: str):
+    """fn() on every rank, the failures shared: a rank whose fn raised re-raises its error, the others raise a
+    ValueError naming that rank, so no rank goes on into a collective alone (every rank calls)."""
+    import torch.distributed as dist
+
+    err = None
+    try:
+        out = fn()
+    except Exception as e:  # shared below
+        err, out = e, None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        msgs: list = [None] * dist.get_world_size()
+        dist.all_gather_object(msgs, None if err is None else f"{type(err).__name__}: {err}")
+        failed = [r for r, m in enumerate(msgs) if m is not None]
+        if err is None and failed:
+            raise ValueError(f"{what} failed on global rank {failed[0]} ({msgs[failed[0]]}); nothing was loaded")
+    if err is not None:
+        raise err
+    return out
+
+
+ARCH_KEYS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+             "intermediate_size", "vocab_size", "rope_theta", "head_dim", "num_experts", "num_local_experts",
+             "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok", "tie_word_embeddings",
+             "n_embd", "n_head", "n_layer", "max_position_embeddings")
+
+
+def check_model_config(saved: Optional[dict], model, source: str) -> None:
+    """The saved HF model config against `model`'s: an architecture key both hold with different values is an
+    error naming the key and both values (same shapes can hide another model, e.g. 8 vs 4 heads)."""
+    config = getattr(model, "config", None)
+    mine = config.to_dict() if hasattr(config, "to_dict") else None
+    if not saved or not mine:
+        return
+    for key in ARCH_KEYS:
+        if key in saved and key in mine and saved[key] is not None and mine[key] is not None \
+                and saved[key] != mine[key]:
+            raise ValueError(f"{source} was saved from another model: model config {key}={saved[key]!r} in the "
+                             f"checkpoint, {key}={mine[key]!r} in this run's model; build the model with the "
+                             "checkpoint's config (or load a checkpoint of this model). Nothing was loaded")
+
+
+def crc32(t: torch.Tensor) -> int:
+    """The crc32 of a CPU tensor's bytes (any dtype)."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return zlib.crc32(flat.view(torch.uint8).numpy()) if flat.numel() else 0
+
+
+def checksums(params: dict) -> dict:
+    return {name: {k: crc32(t) for k, t in rec.items()} for name, rec in params.items()}
+
+
+_WARNED_NO_CHECKSUM = []
+
+
+def verify_checksums(ck: dict, names, source: str) -> None:
+    """The crc32 stored at save time of every tensor this rank loads; older files (no checksums) warn once."""
+    stored = ck.get("checksums")
+    if stored is None:
+        if not _WARNED_NO_CHECKSUM:
+            _WARNED_NO_CHECKSUM.append(True)
+            warnings.warn(f"{source}: the checkpoint holds no checksums (written before they were added, or by "
+                          "convert-checkpoint); it is loaded without an integrity check", stacklevel=3)
+        return
+    for name in names:
+        for k, t in ck["params"][name].items():
+            want = stored.get(name, {}).get(k)
+            if want is not None and crc32(t) != want:
+                raise ValueError(f"{source}: tensor {name}/{k} does not match its checksum (crc32 {crc32(t):#010x}, "
+                                 f"saved {want:#010x}): the file is corrupted (flipped bytes, a bad disk or copy); "
+                                 "load an earlier checkpoint or copy it again. Nothing was loaded")

@@ -26,8 +26,8 @@ from .reshard import gather_full_state_dict
 if TYPE_CHECKING:
     from ..distributed.layout import ParallelLayout
 
-__all__ = ["build_on_meta", "clean_saved_config", "from_pretrained", "load_sharded_checkpoint", "save_pretrained",
-           "zero3_gathered"]
+__all__ = ["build_on_meta", "check_checkpoint_dir", "clean_saved_config", "from_pretrained", "load_sharded_checkpoint",
+           "save_pretrained", "zero3_gathered"]
 
 _SAFE_FILE, _SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 _BIN_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -290,6 +290,23 @@ def build_on_meta(config, model_cls=None) -> nn.Module:
         return model_cls.from_config(config) if hasattr(model_cls, "from_config") else model_cls._from_config(config)
 
 
+def check_checkpoint_dir(checkpoint_dir: str | os.PathLike) -> str:
+    """The path as a str when it is a local HF checkpoint folder (config.json inside), else a clear error: a Hub
+    repo id is not downloaded here, and HF's own message for a missing path is about repo id characters."""
+    path = os.fspath(checkpoint_dir)
+    if not os.path.isdir(path):
+        what = "a file, not a folder" if os.path.exists(path) else "nothing there"
+        raise FileNotFoundError(
+            f"no checkpoint at {path} ({what}): from_pretrained reads a local folder written by save_pretrained "
+            f"(engine.save_pretrained(dir) or model.save_pretrained(dir)); for a Hub model download it first, e.g. "
+            f"huggingface_hub.snapshot_download(repo_id, local_dir=dir)")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"no checkpoint at {path}: the folder has no config.json (write it with "
+                                f"save_pretrained, or point at the folder that holds config.json and the "
+                                f"*.safetensors files)")
+    return path
+
+
 def from_pretrained(checkpoint_dir: str | os.PathLike, layout: ParallelLayout, *, parallelize_fn,
                     dtype: torch.dtype | None = None,
                     device=None, model_cls=None, strict: bool = True, **config_overrides) -> nn.Module:
@@ -298,7 +315,7 @@ def from_pretrained(checkpoint_dir: str | os.PathLike, layout: ParallelLayout, *
     config_overrides go to AutoConfig.from_pretrained (e.g. attn_implementation="eager")."""
     from transformers import AutoConfig, GenerationConfig
 
-    checkpoint_dir = os.fspath(checkpoint_dir)
+    checkpoint_dir = check_checkpoint_dir(checkpoint_dir)
     config = AutoConfig.from_pretrained(checkpoint_dir, **config_overrides)
     model = build_on_meta(config, model_cls)
     if parallelize_fn is not None:

@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .format import FILE, atomic_save, check_names, read_for_layout, record_for, resume_progress
+from .format import FILE, agreed, read_for_layout, record_for, resume_progress, write_agreed
 from .optim_state import ensure_adam_state, optimizer_keys
-from .reshard import fit, gather, gather_pipeline_state_dict, merge_over_pp
+from .reshard import gather, gather_pipeline_state_dict, merge_over_pp
+from .zero import validated_parts
 
 __all__ = ["gather_pipeline_state_dict", "load_pipeline_checkpoint", "save_pipeline_checkpoint"]
 
@@ -64,21 +65,22 @@ def save_pipeline_checkpoint(engine, save_dir: str) -> None:
     step = torch.tensor(max(steps) if steps else 0.0, device=engine.device)
     dist.all_reduce(step, op=dist.ReduceOp.MAX)
     full = merge_over_pp(records if layout.rank("dp_cp") == 0 else None, layout, rank0_only=True)
-    if layout.global_rank == 0:
-        atomic_save(record_for(engine, full, float(step.item()), engine._hf), os.path.join(save_dir, FILE))
-    dist.barrier()
+    record = record_for(engine, full, float(step.item()), engine._hf) if layout.global_rank == 0 else None
+    write_agreed(record, os.path.join(save_dir, FILE), engine.device)  # every rank learns whether it was written
 
 
 def load_pipeline_checkpoint(engine, load_dir: str) -> dict[str, Any]:
     """Resume this rank's stages from engine.save's file or a convert-checkpoint folder; every rank calls."""
     layout, base = engine.layout, _base(engine.optimizer)
-    ck, sliced = read_for_layout(load_dir, layout)  # engine.save's file, or convert-checkpoint's per-(pp, tp) one
+    what = f"engine.load({load_dir!r})"
+    ck, sliced = agreed(lambda: read_for_layout(load_dir, layout), what)  # engine.save's file or a converted one
     spec, keys = engine.spec, optimizer_keys(base)
-    check_names((n for n, _ in engine.model.named_parameters()), ck["params"], load_dir, subset=True)
+    parts = agreed(lambda: validated_parts(ck, engine.model, engine._hf, spec, layout, sliced, load_dir,
+                                           subset=True), what)  # everything checked before any tensor is touched
     ensure_adam_state(base, keys, ck["optimizer_step"])
     with torch.no_grad():
         for name, p in engine.model.named_parameters():
-            rec = {k: fit(v, spec.get(name), layout, sliced, p.shape) for k, v in ck["params"][name].items()}
+            rec = parts[name]
             p.copy_(rec["fp32"].to(p.dtype))
             if p in base.state:  # ZeRO-1: only this rank's shard of the optimizer state lives here
                 for k in keys:

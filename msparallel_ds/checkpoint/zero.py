@@ -11,14 +11,14 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from .format import FILE, atomic_save, check_names, read_for_layout, record_for, resume_progress
+from .format import (FILE, agreed, check_model_config, check_names, read_for_layout, record_for, resume_progress,
+                     verify_checksums, write_agreed)
 from .optim_state import ensure_adam_state, optimizer_keys
 from .reshard import fit, gather
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["load_checkpoint", "save_checkpoint", "validated_parts"]
 
 
 def _inner_optimizer(engine):
@@ -69,11 +69,28 @@ def save_checkpoint(engine, save_dir: str) -> None:
         rec = {k: gather(v, spec.get(name), layout) for k, v in rec.items()}
         if rank0:
             params[name] = {k: v.detach().to("cpu", copy=True) for k, v in rec.items()}
+    record = None
     if rank0:
         steps = [s["step"] for s in opt.state.values() if "step" in s]
-        atomic_save(record_for(engine, params, float(max(steps)) if steps else 0.0, engine.model),
-                    os.path.join(save_dir, FILE))
-    dist.barrier()
+        record = record_for(engine, params, float(max(steps)) if steps else 0.0, engine.model)
+    write_agreed(record, os.path.join(save_dir, FILE), engine.ds.device)  # every rank learns whether it was written
+
+
+def validated_parts(ck: dict, view, hf_model, spec, layout, sliced: bool, source: str, *, subset: bool = False):
+    """This rank's part of every checkpoint tensor for `view`'s parameters, after checking EVERYTHING (names, the
+    saved model config against `hf_model`'s, every shape under this layout, checksums) and before any tensor is
+    touched: a failing load leaves the engine's weights and optimizer state as they were."""
+    named = list(view.named_parameters())
+    check_names((n for n, _ in named), ck["params"], source, subset=subset)
+    check_model_config(ck.get("model_config"), hf_model, source)
+    parts = {}
+    for name, p in named:
+        try:
+            parts[name] = {k: fit(v, spec.get(name), layout, sliced, p.shape) for k, v in ck["params"][name].items()}
+        except ValueError as e:
+            raise ValueError(f"{source}: parameter {name}: {e}. Nothing was loaded") from None
+    verify_checksums(ck, parts, source)
+    return parts
 
 
 def load_checkpoint(engine, load_dir: str) -> dict[str, Any]:
@@ -81,18 +98,18 @@ def load_checkpoint(engine, load_dir: str) -> dict[str, Any]:
     calls. Returns the saved global_steps and optimizer_step."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    layout = engine.layout
-    ck, sliced = read_for_layout(load_dir, layout)  # first: a bad folder is an error before the engine is touched
+    layout, what = engine.layout, f"engine.load({load_dir!r})"
+    ck, sliced = agreed(lambda: read_for_layout(load_dir, layout), what)  # a bad folder: an error on every rank
     stage, spec = _check_stage(engine), engine.spec
     opt = _inner_optimizer(engine)
     keys = optimizer_keys(opt)
-    check_names((n for n, _ in engine.model.named_parameters()), ck["params"], load_dir)
+    parts = agreed(lambda: validated_parts(ck, engine.model, engine.model, spec, layout, sliced, load_dir), what)
     ensure_adam_state(opt, keys, ck["optimizer_step"])
     if stage > 0:  # DeepSpeed would link each parameter to its slice of the flat Adam state at the first step; now
         _link_optimizer_state(engine)
     with torch.no_grad():
         for name, p in engine.model.named_parameters():
-            rec = {k: fit(v, spec.get(name), layout, sliced, p.shape) for k, v in ck["params"][name].items()}
+            rec = parts[name]
             p.copy_(rec["fp32"].to(p.dtype))  # the module weight (ZeRO 1/2 keep it whole on every dp rank)
             if stage == 0:
                 for k in keys:

@@ -17,6 +17,7 @@ ulysses (and hybrid when cp_ring == 1, which is Ulysses); ring/hybrid over cp_ri
 from __future__ import annotations
 
 import math
+import struct
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .kernels import Backend
+from .sharding import check_dim
 
 if TYPE_CHECKING:
     from ..distributed.layout import ParallelLayout
@@ -123,6 +125,82 @@ def _validate_doc_ids(doc_ids: Any, q: Tensor, layout: ParallelLayout, name: str
     return name
 
 
+def _check_inputs(q: Any, k: Any, v: Any, layout: ParallelLayout, causal: bool, softmax_scale: Any,
+                  algo: Optional[str], doc_ids: Any) -> tuple[str, float]:
+    """This rank's checks (no collective): (the algorithm that runs, the softmax scale)."""
+    _validate(q, k, v)
+    name = resolve_algo(layout, algo)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    from .sharding import check_divisible
+    from .ulysses import check_ulysses_heads
+
+    cp = layout.size("cp")
+    ring, uly, _, _ = _split(layout, name)
+    check_ulysses_heads(q.shape[2], k.shape[2], uly)
+    try:  # this rank's length implies the full one; a wrong local length means the inputs were not sharded
+        check_divisible(q.shape[1] * cp, ring, uly)
+    except ValueError as e:
+        raise ValueError(f"context_parallel_attention(algo={name!r}): s_local={q.shape[1]} x cp={cp} = "
+                         f"{q.shape[1] * cp} tokens: {e} (shard q, k, v with shard_sequence(x, layout, "
+                         f"algo={name!r}))") from None
+    if doc_ids is not None:
+        name = _validate_doc_ids(doc_ids, q, layout, name)
+    return name, scale
+
+
+_PEER_FIELDS = ("batch", "s_local", "num_heads", "num_kv_heads", "head_dim", "dtype", "causal", "softmax_scale",
+                "algo", "doc_ids given")
+
+
+def _check_peers(layout: ParallelLayout, q: Any, k: Any, causal: bool, scale: float, name: Optional[str],
+                 doc_ids: Any, error: Optional[Exception]) -> None:
+    """One all-gather of [ok, *_PEER_FIELDS] over cp; a ValueError on every rank whose own inputs passed when any
+    cp peer's differ or were rejected (a rank that rejected its own raises its own error)."""
+    from ..distributed.collectives import dtype_code, gather_ints
+
+    if error is None:
+        b, s, h, d = q.shape
+        meta = [1, b, s, h, k.shape[2], d, dtype_code(q.dtype), int(bool(causal)),
+                struct.unpack("<q", struct.pack("<d", scale))[0], ALGOS.index(name) if name in ALGOS else -1,
+                int(doc_ids is not None)]
+    else:
+        meta = [0] * (len(_PEER_FIELDS) + 1)
+    device = q.device if isinstance(q, Tensor) else torch.device(getattr(layout, "device_type", "cpu"))
+    rows = gather_ints(meta, layout.group("cp"), device)
+    if error is not None:
+        return
+    ranks = dist.get_process_group_ranks(layout.group("cp"))
+    rejected = [f"cp rank {i} (global rank {ranks[i]})" for i, r in enumerate(rows) if not r[0]]
+    if rejected:
+        problem = f"{', '.join(rejected)} rejected its inputs (see the error on that rank)"
+    else:
+        problem = "; ".join(
+            f"cp rank {i} (global rank {ranks[i]}) has {_peer_values(r, rows[0])}" for i, r in enumerate(rows)
+            if r != rows[0])
+        if not problem:
+            return
+    raise ValueError(f"context_parallel_attention: the cp ranks were called with different inputs: {problem}. "
+                     f"Every cp rank must pass its shard_sequence part of the same q, k, v (same batch, heads, "
+                     f"head_dim, dtype), with the same causal, softmax_scale, algo and doc_ids on all or none.")
+
+
+def _peer_values(row: list[int], ref: list[int]) -> str:
+    def show(field: str, x: int) -> str:
+        if field == "softmax_scale":
+            return repr(struct.unpack("<d", struct.pack("<q", x))[0])
+        if field == "dtype":
+            return next((str(t) for t in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+                         if dtype_code(t) == x), "?")
+        if field == "algo":
+            return ALGOS[x] if 0 <= x < len(ALGOS) else "?"
+        return str(bool(x)) if field in ("causal", "doc_ids given") else str(x)
+
+    from ..distributed.collectives import dtype_code
+
+    return ", ".join(f"{f}={show(f, a)} where cp rank 0 has {show(f, b)}"
+                     for f, a, b in zip(_PEER_FIELDS, row[1:], ref[1:]) if a != b)
+
+
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: ParallelLayout, causal: bool = True,
                                softmax_scale: Optional[float] = None, algo: Optional[str] = None,
                                backend: Union[None, str, Backend] = None, doc_ids: Optional[Tensor] = None) -> Tensor:
@@ -133,29 +211,28 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: Parallel
 
     doc_ids (packed rows): integer [b, s_local], sharded like q, of document ids that are non-decreasing along the
     full row; a query then sees only its own document's keys (causal: at positions <= its own). algo allgather or
-    ulysses (hybrid with cp_ring == 1)."""
-    _validate(q, k, v)
-    name = resolve_algo(layout, algo)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    ulysses (hybrid with cp_ring == 1).
+
+    Before its first collective every cp rank all-gathers a few ints (its input check's verdict, batch, s_local,
+    heads, kv heads, head_dim, dtype, causal, scale, algo, doc_ids or not), so inputs that differ between cp ranks
+    (or a rank that rejected its inputs) are one clear error on every cp rank instead of a hang or a backend abort.
+    `layout.check_cp_agreement = False` skips that tiny collective (one per call)."""
+    _check_layout(layout)
     cp = layout.size("cp")
     if cp == 1:
         raise ValueError("context_parallel_attention needs a layout with context_parallel > 1, this one has cp=1: "
                          "use the model's own attention (or set parallel_config.context_parallel)")
-    if cp > 1:
-        from .sharding import check_divisible
-        from .ulysses import check_ulysses_heads
-
-        ring, uly, _, _ = _split(layout, name)
-        check_ulysses_heads(q.shape[2], k.shape[2], uly)  # before any collective, so every rank raises alike
-        try:  # this rank's length implies the full one; a wrong local length means the inputs were not sharded
-            check_divisible(q.shape[1] * cp, ring, uly)
-        except ValueError as e:
-            raise ValueError(f"context_parallel_attention(algo={name!r}): s_local={q.shape[1]} x cp={cp} = "
-                             f"{q.shape[1] * cp} tokens: {e} (shard q, k, v with shard_sequence(x, layout, "
-                             f"algo={name!r}))") from None
+    error, name, scale = None, None, 0.0
+    try:
+        name, scale = _check_inputs(q, k, v, layout, causal, softmax_scale, algo, doc_ids)
+    except (TypeError, ValueError) as e:
+        error = e
+    if getattr(layout, "check_cp_agreement", True) and dist.is_initialized():  # no peers without a process group
+        _check_peers(layout, q, k, causal, scale, name, doc_ids, error)
+    if error is not None:
+        raise error
     kw = dict(causal=causal, scale=scale, backend=backend)
     if doc_ids is not None:
-        name = _validate_doc_ids(doc_ids, q, layout, name)
         kw["doc_ids"] = doc_ids.to(q.device)
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # the one transpose to the kernels' [b, h, s, d]
     if name == "allgather":
@@ -180,9 +257,7 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: Parallel
 def _dim(x: Tensor, dim: int) -> int:
     if not isinstance(x, Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
-    if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim={dim} is out of range for a {x.dim()}-D tensor of shape {tuple(x.shape)}")
-    return dim % x.dim()
+    return check_dim(x, dim)  # a float / bool / out-of-range dim: one clear error
 
 
 def shard_sequence(x: Tensor, layout: ParallelLayout, dim: int = 1, algo: Optional[str] = None, *, pad: bool = False,

@@ -56,14 +56,20 @@ def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, mask: Optional[Ten
     return s
 
 
+def _probs(s: Tensor, lse: Tensor) -> Tensor:
+    """exp(s - lse); a fully masked row (lse = -inf, where -inf - -inf would be NaN) gives p = 0. NaN scores or lse
+    (a NaN query, key or softmax_scale) stay NaN, as in single-process SDPA."""
+    lse = lse.unsqueeze(-1)
+    return torch.where(torch.isneginf(lse), 0.0, torch.exp(s - lse))
+
+
 def _math_forward(q, k, v, causal, scale, mask=None):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     groups = q.shape[1] // k.shape[1]
     qf, kf, vf = q.to(acc), _expand_kv(k, groups).to(acc), _expand_kv(v, groups).to(acc)
     s = _scores(qf, kf, causal, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # fully masked rows: lse = -inf, p = 0
-    return torch.matmul(p, vf), lse
+    return torch.matmul(_probs(s, lse), vf), lse
 
 
 def _math_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
@@ -71,7 +77,7 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     groups = q.shape[1] // k.shape[1]
     qf, kf, vf = q.to(acc), _expand_kv(k, groups).to(acc), _expand_kv(v, groups).to(acc)
     do, o = dout.to(acc), out.to(acc)
-    p = torch.exp(_scores(qf, kf, causal, scale, mask) - lse.to(acc).unsqueeze(-1)).nan_to_num(0.0)
+    p = _probs(_scores(qf, kf, causal, scale, mask), lse.to(acc))
     dp = torch.matmul(do, vf.transpose(-1, -2))
     ds = p * (dp - (do * o).sum(-1, keepdim=True))
     dq = torch.matmul(ds, kf) * scale
@@ -89,7 +95,15 @@ def _cpu_dtype(x: Tensor) -> torch.dtype:
     return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
+def _has_nan(scale: float, *ts: Tensor) -> bool:
+    """torch's CPU flash op returns out = 0, lse = 0 for NaN rows (a finite result from a NaN input): such calls go
+    to the math kernel, which keeps the NaN like single-process SDPA does. One cheap pass over q/k, CPU only."""
+    return scale != scale or any(bool(t.isnan().any()) for t in ts if t.is_floating_point())
+
+
 def _cpu_flash_forward(q, k, v, causal, scale, mask=None):
+    if _has_nan(scale, q, k):
+        return _math_forward(q, k, v, causal, scale)
     dt = _cpu_dtype(q)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.to(dt), k.to(dt), v.to(dt), 0.0, causal, scale=scale)
@@ -97,6 +111,8 @@ def _cpu_flash_forward(q, k, v, causal, scale, mask=None):
 
 
 def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
+    if _has_nan(scale, q, k, lse):
+        return _math_backward(dout, q, k, v, out, lse, causal, scale)
     dt = _cpu_dtype(q)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout.to(dt), q.to(dt), k.to(dt), v.to(dt), out.to(dt), lse.to(dt), 0.0, causal, scale=scale)
@@ -241,8 +257,9 @@ def merge(acc_out: Optional[Tensor], acc_lse: Optional[Tensor], out: Tensor,
     if acc_out is None:  # block outputs are fresh tensors: the first one becomes the accumulator
         return out, lse
     new_lse = torch.logaddexp(acc_lse, lse)
-    # rows where both are -inf (nothing visible yet) stay 0 instead of NaN
-    w_acc = torch.exp(acc_lse - new_lse).nan_to_num_(0.0).unsqueeze(-1)
-    w_blk = torch.exp(lse - new_lse).nan_to_num_(0.0).unsqueeze(-1)
+    # rows where both are -inf (nothing visible yet) stay 0 instead of NaN; a NaN lse (NaN input) stays NaN
+    empty = torch.isneginf(new_lse)
+    w_acc = torch.where(empty, 0.0, torch.exp(acc_lse - new_lse)).unsqueeze(-1)
+    w_blk = torch.where(empty, 0.0, torch.exp(lse - new_lse)).unsqueeze(-1)
     # in place: the running output is the largest buffer a ring step holds; no [b, h, s, d] temporaries
     return acc_out.mul_(w_acc).addcmul_(out, w_blk), new_lse

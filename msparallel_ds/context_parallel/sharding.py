@@ -11,13 +11,14 @@ shard and unshard are one narrow+cat each, no gather of indices.
 """
 from __future__ import annotations
 
+import operator
 from typing import Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["check_divisible", "shard_indices", "shard", "unshard", "permutation", "inverse_permutation",
+__all__ = ["check_dim", "check_divisible", "shard_indices", "shard", "unshard", "permutation", "inverse_permutation",
            "pad_to_multiple", "required_multiple"]
 
 
@@ -38,6 +39,20 @@ def check_divisible(seq_len: int, ring: int, ulysses: int) -> None:
            else f"ulysses = {m} (contiguous split over {cp} context-parallel ranks)")
     raise ValueError(f"sequence length {seq_len} is not divisible by {how}; "
                      f"pad to a multiple of {m} or pass pad=True")
+
+
+def check_dim(x: Tensor, dim: int) -> int:
+    """dim as a non-negative int for x, or a clear error (a float or bool dim is a TypeError naming the fix)."""
+    try:
+        if isinstance(dim, bool):
+            raise TypeError
+        dim = operator.index(dim)  # int, numpy/torch integer scalars; not float
+    except TypeError:
+        raise TypeError(f"dim={dim!r} ({type(dim).__name__}) must be an int: the sequence dimension of the "
+                        f"{x.dim()}-D tensor of shape {tuple(x.shape)} (e.g. dim=1 for [batch, seq, ...])") from None
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim} is out of range for a {x.dim()}-D tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
 
 
 def _units(seq_len: int, ring: int, ulysses: int, ring_rank: int, ulysses_rank: int) -> tuple[list[int], int]:
@@ -74,6 +89,7 @@ def inverse_permutation(seq_len: int, ring: int, ulysses: int) -> Tensor:
 
 def shard(x: Tensor, dim: int, ring: int, ulysses: int, ring_rank: int, ulysses_rank: int) -> Tensor:
     """This rank's part of x along dim (autograd flows through it)."""
+    dim = check_dim(x, dim)
     units, size = _units(x.shape[dim], ring, ulysses, ring_rank, ulysses_rank)
     return torch.cat([x.narrow(dim, i * size, size) for i in units], dim=dim)
 
@@ -82,6 +98,8 @@ def unshard(pieces: Union[Tensor, Sequence[Tensor]], dim: int, ring: int, ulysse
     """The full sequence from every cp rank's shard: a list in cp-rank order (r*U + u), or one tensor holding them
     concatenated along dim in that order (what an all-gather along dim returns)."""
     n = ring * ulysses
+    if isinstance(pieces, Tensor) or len(pieces):
+        dim = check_dim(pieces if isinstance(pieces, Tensor) else pieces[0], dim)
     if isinstance(pieces, Tensor):
         if pieces.shape[dim] % n:
             raise ValueError(f"gathered length {pieces.shape[dim]} along dim {dim} is not a multiple of the "
@@ -101,6 +119,7 @@ def unshard(pieces: Union[Tensor, Sequence[Tensor]], dim: int, ring: int, ulysse
 
 def pad_to_multiple(x: Tensor, dim: int, multiple: int, value: float = 0) -> Tensor:
     """x padded at the end of dim to a multiple of `multiple` with `value` (the explicit pad=True option)."""
+    dim = check_dim(x, dim)
     extra = -x.shape[dim] % multiple
     if extra == 0:
         return x

@@ -6,6 +6,10 @@ owns elements [r*n/N, (r+1)*n/N) of `dim`. Gathers and reduce-scatters move `dim
 piece is one contiguous block (the tensor-form collectives need that), so they work for any dim on any backend and
 device. Sums run in the tensor's dtype. They report to distributed.instruments.
 
+Agreement checks: gather_ints (one tiny all-gather of int64 metadata, e.g. shapes, dtype_code, content hashes)
+lets every rank of a group compare what its peers were given before the first real collective, so a mismatch is
+one clear error on every rank instead of a hang or a backend abort. Not instrumented.
+
 Layout-level (engines: losses, token counts, gradients): sum_over a named layout dim, all_reduce_flat
 and clip_grad_norm_. In place, skipped on a size-1 dim, and not instrumented (they run outside the interleaved
 forward/backward that the instruments measure).
@@ -13,6 +17,7 @@ forward/backward that the instruments measure).
 from __future__ import annotations
 
 import math
+import zlib
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
@@ -25,7 +30,7 @@ if TYPE_CHECKING:
     from .layout import ParallelLayout
 
 __all__ = ["all_reduce", "all_gather_along", "all_to_all_v", "exchange_counts", "reduce_scatter_along",
-           "split_along", "sum_over", "all_reduce_flat", "clip_grad_norm_"]
+           "split_along", "gather_ints", "dtype_code", "sum_over", "all_reduce_flat", "clip_grad_norm_"]
 
 
 # ---------------------------------------------------------------------------------------------- group-level
@@ -57,6 +62,19 @@ def all_reduce(x: Tensor, group, op=dist.ReduceOp.SUM) -> Tensor:
     return out
 
 
+def _gather_concat(x: Tensor, group, n: int) -> Tensor:
+    """Every rank's contiguous x concatenated along dim 0 (the concat form every backend accepts)."""
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+    try:
+        # torch 2.13 renamed all_gather_into_tensor; look up per call so wrappers (byte counters) see it
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+    except (RuntimeError, NotImplementedError) as e:
+        if not _unsupported(e):
+            raise
+        dist.all_gather(list(out.chunk(n)), x, group=group)
+    return out
+
+
 def all_gather_along(x: Tensor, group, dim: int) -> Tensor:
     """Every rank's x concatenated along dim, in group-rank order (contiguous result)."""
     n = _size(group)
@@ -65,14 +83,7 @@ def all_gather_along(x: Tensor, group, dim: int) -> Tensor:
     dim %= x.dim()
     t0 = sync_start()
     x = x.contiguous()
-    out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # concat form along dim 0: every backend accepts it
-    try:
-        # torch 2.13 renamed all_gather_into_tensor; look up per call so wrappers (byte counters) see it
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
-    except (RuntimeError, NotImplementedError) as e:
-        if not _unsupported(e):
-            raise
-        dist.all_gather(list(out.chunk(n)), x, group=group)
+    out = _gather_concat(x, group, n)
     sync_done(t0, "all_gather", bus_bytes("all_gather", out, n))
     # rank-major blocks -> rank slices along dim: a view when dim == 0, else one copy
     return out.unflatten(0, (n, x.shape[0])).movedim(0, dim).flatten(dim, dim + 1)
@@ -125,6 +136,21 @@ def all_to_all_v(x: Tensor, send: list[int], recv: list[int], group) -> Tensor:
     mine = send[dist.get_rank(group)] if send else 0
     sync_done(t0, "all_to_all", float((sum(send) - mine) * row))
     return out
+
+
+def dtype_code(dtype) -> int:
+    """A number naming `dtype` that is the same in every process (for gather_ints); 0 for None."""
+    return 0 if dtype is None else zlib.crc32(str(dtype).encode())
+
+
+def gather_ints(values: Sequence[int], group, device=None) -> list[list[int]]:
+    """Every rank's `values` (int64 range, the same count on every rank) in group-rank order, from one all-gather;
+    `device`: where the tensor goes (the group's backend must accept it; default CPU). [values] on a size-1 group."""
+    n = _size(group)
+    if n == 1:
+        return [list(values)]
+    x = torch.tensor(list(values), dtype=torch.int64, device=device)
+    return _gather_concat(x, group, n).view(n, -1).cpu().tolist()
 
 
 # ---------------------------------------------------------------------------------------------- layout-level

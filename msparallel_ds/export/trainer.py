@@ -32,10 +32,11 @@ __all__ = ["lr_scheduler_kwargs", "training_arguments_kwargs"]
 
 
 def lr_scheduler_kwargs(plan: Plan) -> dict[str, Any]:
-    """lr_scheduler_type (+ lr_scheduler_kwargs), warmup_steps and max_steps for the YAML's lr_schedule."""
+    """lr_scheduler_type (+ lr_scheduler_kwargs), warmup_steps and max_steps for the YAML's lr_schedule. No
+    lr_schedule: a constant learning rate, as in MindFormers and msp.initialize (not the Trainer's linear decay)."""
     s = plan.lr_schedule
     if not s:
-        return {}
+        return {"lr_scheduler_type": "constant"}
     kind = s["type"].lower()
     lr_end = s.get("lr_end") or 0.0
     out: dict[str, Any] = {}

@@ -242,7 +242,7 @@ class MindFormersAccelerator(Accelerator):
         if cuda:  # before any NCCL group (the layout's DeviceMesh is built before accelerate's state)
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         else:
-            runtime.disable_inference_shm_build()  # before deepspeed's comm backend starts: a 1-minute JIT build otherwise
+            runtime.disable_inference_shm_build()  # before deepspeed's comm backend starts: else a 1-minute JIT build
         runtime.ensure_distributed(init.timeout.total_seconds() if init is not None and init.timeout else None)
         _repair_partial_state()
         layout = init_parallel(cfg)
@@ -374,11 +374,12 @@ class MindFormersAccelerator(Accelerator):
     def _prepare_deepspeed(self, *args):
         from torch.optim.lr_scheduler import LRScheduler
 
+        from .. import runtime
         from ..strategy import parallelize
 
         models = [a for a in args if isinstance(a, nn.Module)]
         if models:
-            model = models[0]
+            model = runtime.cpu_float32(models[0], self.layout, self.plan)  # in place: the optimizer stays valid
             names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
             parallelize(model, self.layout)
             if self.layout.size("cp") > 1:

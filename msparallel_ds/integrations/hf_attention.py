@@ -42,6 +42,27 @@ def _check_unpacked(position_ids, layout: ParallelLayout) -> None:
                          "(model(..., position_ids=shard['position_ids'], doc_ids=shard['doc_ids']))")
 
 
+# where HF families keep attention-probability dropout: Llama/Qwen2/Mistral, GPT-2/GPT-J, BERT-likes, others
+DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout",
+                "attention_dropout_prob")
+
+
+def dropout_key(module) -> Optional[str]:
+    """The model config key that holds this attention's dropout (a non-zero one first), or None if unknown."""
+    config = getattr(module, "config", None)
+    found = [k for k in DROPOUT_KEYS if hasattr(config, k)]
+    nonzero = [k for k in found if isinstance(getattr(config, k), (int, float)) and getattr(config, k)]
+    return (nonzero or found or [None])[0]
+
+
+def dropout_error(module, dropout: float) -> ValueError:
+    key = dropout_key(module)
+    fix = (f"set {key}=0.0 in the model config (e.g. AutoConfig.from_pretrained(name, {key}=0.0))" if key else
+           f"set the model config's attention dropout ({', '.join(DROPOUT_KEYS[:2])}, ...) to 0.0")
+    return ValueError(f"context-parallel attention has no attention dropout, but {type(module).__name__} asks for "
+                      f"dropout={dropout} in training: {fix}, or train with context_parallel: 1")
+
+
 def make_cp_attention(layout: ParallelLayout, algo: Optional[str] = None, backend: Optional[str] = None):
     from ..context_parallel.api import context_parallel_attention
 
@@ -49,7 +70,7 @@ def make_cp_attention(layout: ParallelLayout, algo: Optional[str] = None, backen
 
     def cp_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
         if dropout and module.training:
-            raise ValueError("context-parallel attention has no attention dropout; set attention_dropout: 0.0")
+            raise dropout_error(module, dropout)
         if attention_mask is not None:
             raise ValueError("context-parallel attention got a dense attention_mask; shard the batch with "
                              "msparallel_ds.context_parallel.batch.shard_batch (padding masks are not supported)")

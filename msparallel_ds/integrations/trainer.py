@@ -106,13 +106,17 @@ class MindFormersTrainer(Trainer):
             raise ValueError("TrainingArguments(use_cpu=True) switches DeepSpeed off; leave it out: "
                              "MindFormersTrainer runs DeepSpeed on CPU over gloo by itself")
         given = cfg.runner_config.model_fields_set
-        batch = cfg.runner_config.batch_size * cfg.micro_batch_interleave_num
-        for key, field, value in (("batch_size", "per_device_train_batch_size", batch),
-                                  ("gradient_accumulation_steps", "gradient_accumulation_steps",
-                                   cfg.runner_config.gradient_accumulation_steps)):
+        bs, mbi = cfg.runner_config.batch_size, cfg.micro_batch_interleave_num
+        batch_from = (f"runner_config.batch_size={bs}" if mbi == 1 else
+                      f"runner_config.batch_size={bs} x micro_batch_interleave_num={mbi}")
+        gas = cfg.runner_config.gradient_accumulation_steps
+        for key, field, value, source in (
+                ("batch_size", "per_device_train_batch_size", bs * mbi, batch_from),
+                ("gradient_accumulation_steps", "gradient_accumulation_steps", gas,
+                 f"runner_config.gradient_accumulation_steps={gas}")):
             if key in given and getattr(args, field) != value:
-                warnings.warn(f"TrainingArguments.{field}={getattr(args, field)} replaced by the YAML's "
-                              f"runner_config.{key} ({value})", stacklevel=2)
+                warnings.warn(f"TrainingArguments.{field}={getattr(args, field)} replaced by {value}, from the "
+                              f"YAML's {source}", stacklevel=2)
                 setattr(args, field, value)
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
 

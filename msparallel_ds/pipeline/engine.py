@@ -21,6 +21,8 @@ Built on torch.distributed.pipelining, not DeepSpeed's PipelineModule (ZeRO <= 1
    It is chosen over DeepSpeed's stage-1 partitioner because that one lives inside DeepSpeed's engine, which cannot
    wrap a pipeline stage with our mpu. optimizer_level level2/level3 run as level1 here, with a warning that says so.
 6. The loss returned is the global-batch mean on every rank: summed over dp x cp on the last stage, then over pp.
+   A non-finite loss or gradient norm stops the step before the update (checkpoint.format.check_finite_step).
+7. The stages' P2P buffer shapes follow the batch: a new sequence length re-runs torch's stage shape inference.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..checkpoint.format import check_finite_step, grads_norm_flag
 from ..context_parallel.batch import inputs_and_targets
 from ..distributed.collectives import all_reduce_flat, clip_grad_norm_, sum_over
 from ..distributed.layout import ParallelLayout
@@ -98,6 +101,30 @@ def _yaml_scheduler(plan, optimizer):
     return getattr(lr_schedules, spec["type"])(optimizer, **spec.get("params", {}))
 
 
+_INIT_FLAGS = ("_stages_forward_initialized", "_stages_backward_initialized", "_stage_forward_initialized",
+               "_stage_backward_initialized", "_stages_initialized", "_stage_initialized")
+
+
+def reset_stage_shapes(schedule, stages, old: tuple, new: tuple) -> None:
+    """Make the schedule infer its stages' input/output shapes (and P2P buffers) again at the next step. Every rank
+    of the pp group sees the same batch shape, so all of them re-run the (collective) shape inference together."""
+    flags = [f for f in _INIT_FLAGS if hasattr(schedule, f)]
+    if not flags:  # a torch whose schedules keep their shapes elsewhere: refuse before any collective
+        raise ValueError(f"pipeline_stage > 1: the batch shape changed from {old} to {new}, and this torch "
+                         f"({torch.__version__}) pipelining schedule cannot re-infer its stage buffer shapes; pad "
+                         f"every batch to one sequence length (e.g. {old[1]} = model.model_config.seq_length)")
+    for flag in flags:
+        setattr(schedule, flag, False)
+    for stage in stages:
+        stage.clear_runtime_states()
+        stage.args_recv_info.clear()
+        stage.grad_recv_info.clear()
+        stage.grad_send_info = None
+        for attr in ("inputs_meta", "_outputs_meta"):  # torch < 2.9 keeps the inferred shapes here
+            if hasattr(stage, attr):
+                setattr(stage, attr, None)
+
+
 class PipelineEngine:
     """This pp rank's stages, their schedule, the optimizer and layout. Build with msp.initialize."""
 
@@ -118,6 +145,7 @@ class PipelineEngine:
         self.holds_first, self.holds_last = 0 in stage_ids, self.n_stages - 1 in stage_ids
         self._n_tokens: Optional[Tensor] = None
         self._head = applied.output_head(view)
+        self._batch_shape: Optional[tuple] = None  # the input shape the schedule's P2P buffers were built for
 
     @property
     def spec(self):
@@ -143,7 +171,15 @@ class PipelineEngine:
         return inputs["input_ids"], targets, kwargs
 
     # ------------------------------------------------------------------------------------------ step
-    def _sync_and_clip(self) -> None:
+    def _follow_batch_shape(self, ids: Tensor) -> None:
+        """torch.distributed.pipelining fixes each stage's P2P buffer shapes at its first step; when the sequence
+        length (or row count) changes, the stages infer their shapes again at the next step (dynamic padding)."""
+        shape = tuple(ids.shape)
+        if self._batch_shape is not None and shape != self._batch_shape:
+            reset_stage_shapes(self.schedule, self.stages, self._batch_shape, shape)
+        self._batch_shape = shape
+
+    def _sync_and_clip(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:
@@ -154,7 +190,8 @@ class PipelineEngine:
             all_reduce_flat(experts, self.layout, "edp")
         clip = self.plan.gradient_clipping
         if clip:
-            clip_grad_norm_(params, clip, self.layout, device=self.device)
+            return clip_grad_norm_(params, clip, self.layout, device=self.device)
+        return grads_norm_flag(params, self.device)  # no norm without clipping: nan if any gradient is not finite
 
     def _log_aux_loss(self) -> None:
         """The routers' aux + z loss of the step (every rank's shares summed, averaged over micro-batches)."""
@@ -171,6 +208,7 @@ class PipelineEngine:
         """One optimizer step on this dp rank's share of the global batch; returns the global-batch mean loss
         (detached, float32) on every rank."""
         ids, targets, kwargs = self._inputs(batch)
+        self._follow_batch_shape(ids)
         self._n_tokens = global_token_count(batch.get("labels", batch["input_ids"]), self.layout, self.device)
         for stage in self.stages:
             stage.submod.train()
@@ -184,7 +222,8 @@ class PipelineEngine:
         sum_over(self.layout, "dp_cp", total)
         sum_over(self.layout, "pp", total)  # only the last stage's ranks hold a loss
         self._log_aux_loss()
-        self._sync_and_clip()
+        check_finite_step(self.global_steps, loss=total)  # global values: the same verdict on every rank
+        check_finite_step(self.global_steps, grad_norm=self._sync_and_clip())  # before the update
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:

@@ -19,16 +19,35 @@ from .layers import ColumnParallelLinear, _cut, divide
 from .mappings import gather_from_region, reduce_from_region, reduce_scatter_to_sequence_region
 from .spec import STYLE_PARAM_SHARDS
 
-__all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy", "ParallelLMHead"]
+__all__ = ["VocabParallelEmbedding", "check_ids_in_vocab", "vocab_parallel_cross_entropy", "ParallelLMHead"]
 
 _VOCAB_FIX = ("; or pad the vocab (model.resize_token_embeddings(n, pad_to_multiple_of=tp)), or keep "
               "vocab_emb_dp: true")
+
+
+def check_ids_in_vocab(ids: Tensor, vocab: int, what: str, ignore_index: int | None = None) -> None:
+    """A clear error for the first id outside [0, vocab) (ignore_index allowed): with the vocab sharded such an id
+    would silently become a zero embedding or a 0 logit, where one process raises IndexError. Every tp rank holds
+    the same ids, so each raises the same error before any collective. One min/max read per call."""
+    if ids.numel() == 0:
+        return
+    valid = ids if ignore_index is None else ids.masked_fill(ids == ignore_index, 0)
+    lo, hi = torch.aminmax(valid)
+    if int(lo) >= 0 and int(hi) < vocab:
+        return
+    bad = (valid < 0) | (valid >= vocab)
+    pos = tuple(int(i) for i in bad.nonzero()[0])
+    allowed = "" if ignore_index is None else f" or ignore_index={ignore_index}"
+    raise ValueError(f"{what}: token id {int(ids[pos])} at position {pos} (of shape {tuple(ids.shape)}) is outside "
+                     f"the vocab [0, {vocab}){allowed}; {int(bad.sum())} id(s) out of range. Fix the data or the "
+                     f"tokenizer (ids must be < vocab_size={vocab}), or resize the model's embeddings")
 
 
 class VocabParallelEmbedding(nn.Module):
     """nn.Embedding with rows split over `group`: weight [V/tp, dim], parameter name `weight`.
 
     Ids outside this rank's rows look up row 0 and are zeroed, then the group sums (each id has exactly one owner).
+    An id outside [0, num_embeddings) is a ValueError naming it and its position (check_ids_in_vocab).
     With sequence_parallel the sum is a reduce-scatter along seq_dim: the output is this rank's sequence slice, as
     the SP residual stream expects.
     """
@@ -75,6 +94,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         if self.tp == 1:
             return F.embedding(ids, self.weight, self._local_padding_idx)
+        check_ids_in_vocab(ids, self.num_embeddings, "VocabParallelEmbedding (vocab_emb_dp: false) input_ids")
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         out = F.embedding((ids - self.vocab_start).masked_fill(outside, 0), self.weight, self._local_padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0)  # also zeroes row 0's grad from those ids
@@ -129,6 +149,9 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, group, ignore_i
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits shard {tuple(logits.shape)} and target {tuple(target.shape)} must agree on every "
                          f"dim but the last (vocab)")
+    check_ids_in_vocab(target, logits.shape[-1] * dist.get_world_size(group),
+                       "vocab_parallel_cross_entropy (vocab_emb_dp: false) targets (the engines pass the labels "
+                       "shifted by one: target (r, t) is label (r, t+1))", ignore_index)
     vocab_start = dist.get_rank(group) * logits.shape[-1]
     loss = _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, ignore_index)
     if reduction == "none":
