@@ -15,7 +15,7 @@ What train_batch does, and why:
   global position_ids, doc_ids for packed rows). tp ranks of one dp rank must be fed the same batch.
 - The returned loss is the global-batch mean on every rank (sum all-reduced over dp x cp; tp peers agree).
 - fp32/bf16: a non-finite global loss stops the run before the optimizer step, a non-finite global gradient norm at
-  the step it appears (checkpoint.format.check_finite_step, FloatingPointError naming the step); fp16 keeps
+  the step it appears (loss.check_finite_step, FloatingPointError naming the step); fp16 keeps
   DeepSpeed's dynamic loss scaling (an overflowing step is skipped and counted).
 
 With parallel_config.pipeline_stage > 1, msp.initialize returns msparallel_ds.pipeline.engine.PipelineEngine instead
@@ -34,10 +34,9 @@ import torch
 from torch import Tensor, nn
 
 from . import runtime
-from .checkpoint.format import check_finite_step, grads_norm_flag
 from .distributed.collectives import sum_over
 from .distributed.layout import ParallelLayout
-from .loss import check_batch, global_token_count, token_loss_sum
+from .loss import check_batch, check_finite_step, global_token_count, grads_norm_flag, token_loss_sum
 from .strategy import Applied
 
 __all__ = ["Engine", "initialize"]
@@ -58,11 +57,11 @@ class Engine:
         # size; ZeRO-3 runs with cp = 1 only): the loss is pre-multiplied by it, so the update is d(sum of token
         # losses) / N.
         self._grad_divisor = layout.size("dp")
-        # ZeRO-0 with expert parallel: the true global norm is ours (runtime.deepspeed_config turned DeepSpeed's off)
-        self._own_norm: Optional[float] = None
         self.last_aux_loss: Optional[float] = None  # the router's aux + z loss of the last step (logged apart)
         if applied.aux_loss is not None:  # DeepSpeed divides by dp; micro-batches are averaged like the LM loss
             applied.aux_loss.scale = layout.size("dp") / self.gradient_accumulation_steps
+        # ZeRO-0 with expert parallel: the true global norm is ours (runtime.deepspeed_config turned DeepSpeed's off)
+        self._own_norm: Optional[float] = None
         self._own_clip = (plan.gradient_clipping if layout.size("ep") > 1 and ds_engine.zero_optimization_stage() == 0
                           and not ds_engine.gradient_clipping() else None)
 
@@ -100,7 +99,6 @@ class Engine:
 
         ids, labels = self._check_batch(batch)
         dp = self.layout.size("dp")
-        self._aux_sum = torch.zeros((), dtype=torch.float32)
         n_tokens = global_token_count(labels, self.layout, self.device)
         self.model.train()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -125,7 +123,6 @@ class Engine:
             total += loss_sum.detach().float()
             self._before_step(m, total)
             self.ds.step()
-            self._aux_sum = self._aux_sum + self._pop_aux()
         self._after_step()
         self._log_aux_loss()
         self.global_steps += 1
@@ -133,15 +130,12 @@ class Engine:
             return total / (dp * self.gradient_accumulation_steps * interleave.copies)
         return total / n_tokens
 
-    def _pop_aux(self) -> Tensor:
-        aux = self.applied.aux_loss
-        return aux.pop_total().float().cpu() if aux is not None else torch.zeros(())
-
     def _log_aux_loss(self) -> None:
-        """Every shard's share summed over dp x cp x tp, averaged over micro-batches (MindFormers logs it apart)."""
+        """The step's aux + z loss: every shard's share (recorded by the backward of each micro-batch) summed over
+        dp x cp x tp, averaged over micro-batches (MindFormers logs it apart from the LM loss)."""
         if self.applied.aux_loss is None:
             return
-        t = self._aux_sum.to(self.device)
+        t = self.applied.aux_loss.pop_total().float().to(self.device)
         sum_over(self.layout, "dp_cp", t)
         sum_over(self.layout, "tp", t)
         self.last_aux_loss = float(t) / self.gradient_accumulation_steps

@@ -1,4 +1,5 @@
-"""The global-batch token mean both engines train on: the batch check, the global token count, the token-loss sum.
+"""The global-batch token mean both engines train on: the batch check, the global token count, the token-loss sum,
+and the finite-step guard.
 
 Every rank back-propagates sum(its token losses) / N, N = valid (shifted, not ignored) tokens of the GLOBAL batch
 (HF's loss with num_items_in_batch, Megatron's per-token loss), so micro-batches, cp shards, pipeline stages and
@@ -8,7 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+import math
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -16,7 +20,7 @@ from .labels import IGNORE_INDEX, shift_labels
 from .distributed.collectives import sum_over
 from .distributed.layout import ParallelLayout
 
-__all__ = ["check_batch", "global_token_count", "token_loss_sum"]
+__all__ = ["check_batch", "check_finite_step", "global_token_count", "grads_norm_flag", "token_loss_sum"]
 
 
 def check_batch(batch: Mapping[str, Any], engine, accumulation_key: str) -> tuple[Tensor, Tensor]:
@@ -166,3 +170,32 @@ def token_loss_sum(logits: Tensor, targets: Tensor, head: Optional[nn.Module]) -
         return vocab_parallel_cross_entropy(logits, targets, head.group, IGNORE_INDEX, "sum")
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
+
+
+# ---------------------------------------------------------------------------------------------- finite steps
+def check_finite_step(steps_done: int, *, loss=None, grad_norm=None, updated: bool = False) -> None:
+    """The finite-loss / grad-norm guard of both engines (fp32/bf16; fp16 keeps DeepSpeed's skip-and-count).
+    `loss` and `grad_norm` are global values (the same on every rank), so every rank raises at the same step."""
+    for what, value in (("global-batch loss", loss), ("global gradient norm", grad_norm)):
+        if value is None:
+            continue
+        v = float(value)
+        if math.isfinite(v):
+            continue
+        done = ("the optimizer step has already run, so the weights may be non-finite now (engine.save will refuse "
+                "them)" if updated else "the optimizer step was not taken")
+        raise FloatingPointError(
+            f"train_batch: the {what} is {v} at step {steps_done + 1} (engine.global_steps={steps_done} before it); "
+            f"{done}. Training diverged or this step's batch holds bad values: lower the learning rate "
+            "(optimizer.learning_rate, or a longer warmup), enable gradient clipping (runner_wrapper.max_grad_norm), "
+            "check this step's data, and resume from the last good checkpoint with engine.load")
+
+
+def grads_norm_flag(params, device) -> float:
+    """For a step that computes no gradient norm: nan when any rank's gradients hold NaN/inf, else 0.0 (one
+    all-reduce over the world, so every rank takes the same verdict; tp shards differ between ranks)."""
+    local = [torch.linalg.vector_norm(p.grad.float()) for p in params if p.grad is not None]
+    bad = torch.tensor(float(bool(local) and not bool(torch.isfinite(torch.stack(local)).all())), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return float("nan") if bad.item() else 0.0

@@ -40,7 +40,7 @@ def test_stale_temp_file_is_removed_and_disk_full_is_named(tmp_path, monkeypatch
 
 
 def test_finite_guard_message_names_the_step():
-    from msparallel_ds.checkpoint.format import check_finite_step
+    from msparallel_ds.loss import check_finite_step
 
     check_finite_step(3, loss=1.0, grad_norm=2.0)
     with pytest.raises(FloatingPointError, match=r"loss is nan at step 4 \(engine.global_steps=3.*learning rate"):

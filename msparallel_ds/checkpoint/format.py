@@ -25,7 +25,6 @@ from __future__ import annotations
 import errno
 import glob
 import json
-import math
 import os
 import tempfile
 import warnings
@@ -37,10 +36,9 @@ import torch
 if TYPE_CHECKING:
     from ..distributed.layout import ParallelLayout
 
-__all__ = ["FILE", "FORMAT", "SHARDED_FORMAT", "SHARDED_INDEX", "CheckpointSaveError", "atomic_save",
-           "agreed", "check_finite_step", "check_names", "grads_norm_flag", "check_model_config", "nonfinite_tensors", "record_for",
-           "resume_progress", "read_checkpoint_file", "read_for_layout", "shard_file", "verify_checksums",
-           "write_agreed"]
+__all__ = ["FILE", "FORMAT", "SHARDED_FORMAT", "SHARDED_INDEX", "CheckpointSaveError", "agreed", "atomic_save",
+           "check_model_config", "check_names", "nonfinite_tensors", "read_checkpoint_file", "read_for_layout",
+           "record_for", "resume_progress", "shard_file", "verify_checksums", "write_agreed"]
 
 FILE = "msp_universal.pt"
 FORMAT = "msparallel_ds.universal/1"
@@ -139,39 +137,9 @@ def resume_progress(engine, ck: dict[str, Any]) -> dict[str, Any]:
     return {"global_steps": ck["global_steps"], "optimizer_step": ck["optimizer_step"]}
 
 
-# ---------------------------------------------------------------------------------------------- finite state
+# ---------------------------------------------------------------------------------------------- saves
 class CheckpointSaveError(RuntimeError):
     """engine.save failed (on any rank): raised on every rank with the same message; the previous file is kept."""
-
-
-def check_finite_step(steps_done: int, *, loss=None, grad_norm=None, updated: bool = False) -> None:
-    """The finite-loss / grad-norm guard of both engines (fp32/bf16; fp16 keeps DeepSpeed's skip-and-count).
-    `loss` and `grad_norm` are global values (the same on every rank), so every rank raises at the same step."""
-    for what, value in (("global-batch loss", loss), ("global gradient norm", grad_norm)):
-        if value is None:
-            continue
-        v = float(value)
-        if math.isfinite(v):
-            continue
-        done = ("the optimizer step has already run, so the weights may be non-finite now (engine.save will refuse "
-                "them)" if updated else "the optimizer step was not taken")
-        raise FloatingPointError(
-            f"train_batch: the {what} is {v} at step {steps_done + 1} (engine.global_steps={steps_done} before it); "
-            f"{done}. Training diverged or this step's batch holds bad values: lower the learning rate "
-            "(optimizer.learning_rate, or a longer warmup), enable gradient clipping (runner_wrapper.max_grad_norm), "
-            "check this step's data, and resume from the last good checkpoint with engine.load")
-
-
-def grads_norm_flag(params, device) -> float:
-    """For a step that computes no gradient norm: nan when any rank's gradients hold NaN/inf, else 0.0 (one
-    all-reduce over the world, so every rank takes the same verdict; tp shards differ between ranks)."""
-    import torch.distributed as dist
-
-    local = [torch.linalg.vector_norm(p.grad.float()) for p in params if p.grad is not None]
-    bad = torch.tensor(float(bool(local) and not bool(torch.isfinite(torch.stack(local)).all())), device=device)
-    if dist.is_initialized():
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return float("nan") if bad.item() else 0.0
 
 
 def nonfinite_tensors(params: dict) -> list[str]:

@@ -30,8 +30,9 @@ def gather(t: Tensor, shard: Shard, layout: ParallelLayout) -> Tensor:
 
 
 def fit(t: Tensor, shard: Shard, layout: ParallelLayout, sliced: bool, shape) -> Tensor:
-    """This rank's part (over the shard's group) of checkpoint tensor `t` (a full tensor, or already this rank's when `sliced`), checked
-    against the parameter's local `shape`: a checkpoint of another model is one clear error, not a wrong copy."""
+    """This rank's part (over the shard's group) of checkpoint tensor `t` (a full tensor, or already this rank's
+    when `sliced`), checked against the parameter's local `shape`: a checkpoint of another model is one clear error,
+    not a wrong copy."""
     if not sliced or shard.group != "tp":  # convert-checkpoint slices over tp only; experts are cut here
         t = shard.local(t, layout.size(shard.group), layout.rank(shard.group))
     if tuple(t.shape) != tuple(shape):

@@ -180,8 +180,8 @@ def _expert_parallel(plan: Any, sizes: dict[str, int]) -> int:
     folded = sizes["dp"] * sizes["cp_ring"] * sizes["cp_ulysses"] * sizes["tp"]
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or folded % ep:
         raise ValueError(f"parallel_config.expert_parallel={ep!r} must divide data_parallel x context_parallel x "
-                         f"model_parallel = {folded}: expert-parallel groups are folded out of those ranks (MindFormers "
-                         f"mcore / Megatron-Core); pick a divisor of {folded}")
+                         f"model_parallel = {folded}: expert-parallel groups are folded out of those ranks "
+                         f"(MindFormers mcore / Megatron-Core); pick a divisor of {folded}")
     return ep
 
 

@@ -21,7 +21,7 @@ Built on torch.distributed.pipelining, not DeepSpeed's PipelineModule (ZeRO <= 1
    It is chosen over DeepSpeed's stage-1 partitioner because that one lives inside DeepSpeed's engine, which cannot
    wrap a pipeline stage with our mpu. optimizer_level level2/level3 run as level1 here, with a warning that says so.
 6. The loss returned is the global-batch mean on every rank: summed over dp x cp on the last stage, then over pp.
-   A non-finite loss or gradient norm stops the step before the update (checkpoint.format.check_finite_step).
+   A non-finite loss or gradient norm stops the step before the update (loss.check_finite_step).
 7. The stages' P2P buffer shapes follow the batch: a new sequence length re-runs torch's stage shape inference.
 """
 from __future__ import annotations
@@ -34,11 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..checkpoint.format import check_finite_step, grads_norm_flag
 from ..context_parallel.batch import inputs_and_targets
 from ..distributed.collectives import all_reduce_flat, clip_grad_norm_, sum_over
 from ..distributed.layout import ParallelLayout
-from ..loss import check_batch, global_token_count, token_loss_sum
+from ..loss import check_batch, check_finite_step, global_token_count, grads_norm_flag, token_loss_sum
 from ..strategy import Applied
 from .schedule import build_schedule
 from .split import split_model

@@ -3,16 +3,16 @@
 Each Function is named <what forward does><what backward does> and takes its process group explicitly (no module
 state). Layers call the lowercase wrappers, which return the input untouched on a size-1 group (no communication).
 
-| wrapper                                      | forward                    | backward                   | Megatron           |
-|----------------------------------------------|----------------------------|----------------------------|--------------------|
-| copy_to_region(x, g)                         | identity                   | all-reduce (sum)           | f                  |
-| reduce_from_region(x, g)                     | all-reduce (sum)           | identity                   | g                  |
-| gather_from_sequence_region(x, g, dim)       | all-gather along dim       | reduce-scatter along dim   | SP before column   |
-| reduce_scatter_to_sequence_region(x, g, dim) | reduce-scatter along dim   | all-gather along dim       | SP after row       |
-| scatter_to_region(x, g, dim)                 | keep my slice of dim       | all-gather along dim       | scatter_to_tp      |
-| gather_from_region(x, g, dim)                | all-gather along dim       | keep my slice of dim       | gather_output      |
-| seq_to_head(x, g) / head_to_seq(x, g)        | Ulysses all-to-all         | the inverse all-to-all     | (DeepSpeed-Ulysses)|
-| exchange_rows(x, send, recv, g)              | all-to-all-v of rows       | the reverse all-to-all-v   | EP token dispatch  |
+| wrapper                                      | forward                  | backward                 | Megatron        |
+|----------------------------------------------|--------------------------|--------------------------|-----------------|
+| copy_to_region(x, g)                         | identity                 | all-reduce (sum)         | f               |
+| reduce_from_region(x, g)                     | all-reduce (sum)         | identity                 | g               |
+| gather_from_sequence_region(x, g, dim)       | all-gather along dim     | reduce-scatter along dim | SP, into column |
+| reduce_scatter_to_sequence_region(x, g, dim) | reduce-scatter along dim | all-gather along dim     | SP after row    |
+| scatter_to_region(x, g, dim)                 | keep my slice of dim     | all-gather along dim     | scatter_to_tp   |
+| gather_from_region(x, g, dim)                | all-gather along dim     | keep my slice of dim     | gather_output   |
+| seq_to_head(x, g) / head_to_seq(x, g)        | Ulysses all-to-all       | the inverse all-to-all   | Ulysses         |
+| exchange_rows(x, send, recv, g)              | all-to-all-v of rows     | the reverse all-to-all-v | EP dispatch     |
 
 The plain collectives underneath (slices in group-rank order, sums in the tensor's dtype) are in
 msparallel_ds.distributed.collectives; the async issue/wait pairs of the interleave in msparallel_ds.interleave.overlap.
@@ -58,58 +58,34 @@ class AllReduceIdentity(torch.autograd.Function):
         return grad, None
 
 
-class AllGatherReduceScatter(torch.autograd.Function):
-    """SP into a column-parallel region. Forward: all-gather along dim. Backward: reduce-scatter along dim (every
-    rank's branch used the whole gathered tensor, so each slice's grad is the sum over ranks)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group, dim: int) -> Tensor:
+def _dim_pair(name: str, forward, backward, doc: str) -> type:
+    """An autograd Function (x, group, dim) whose forward is `forward(x, group, dim)` and whose backward is
+    `backward(grad, group, dim)`: the four sequence/tensor-parallel pairs below differ only in those two collectives."""
+    def fwd(ctx, x: Tensor, group, dim: int) -> Tensor:
         ctx.group, ctx.dim = group, dim
-        return all_gather_along(x, group, dim)
+        return forward(x, group, dim)
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return reduce_scatter_along(grad, ctx.group, ctx.dim), None, None
+    def bwd(ctx, grad: Tensor):
+        return backward(grad, ctx.group, ctx.dim), None, None
 
-
-class ReduceScatterAllGather(torch.autograd.Function):
-    """SP out of a row-parallel region. Forward: reduce-scatter along dim. Backward: all-gather along dim."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group, dim: int) -> Tensor:
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter_along(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return all_gather_along(grad, ctx.group, ctx.dim), None, None
+    return type(name, (torch.autograd.Function,), {"__doc__": doc, "__module__": __name__,
+                                                     "forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class SplitAllGather(torch.autograd.Function):
-    """Forward: keep this rank's slice of a replicated tensor. Backward: all-gather the slices' grads."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group, dim: int) -> Tensor:
-        ctx.group, ctx.dim = group, dim
-        return split_along(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return all_gather_along(grad, ctx.group, ctx.dim), None, None
-
-
-class AllGatherSplit(torch.autograd.Function):
-    """Forward: all-gather slices into a replicated tensor. Backward: keep this rank's slice of the grad (every rank
-    holds the same replicated grad, so no sum)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group, dim: int) -> Tensor:
-        ctx.group, ctx.dim = group, dim
-        return all_gather_along(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return split_along(grad, ctx.group, ctx.dim), None, None
+AllGatherReduceScatter = _dim_pair(
+    "AllGatherReduceScatter", all_gather_along, reduce_scatter_along,
+    "SP into a column-parallel region. Forward: all-gather along dim. Backward: reduce-scatter along dim (every "
+    "rank's branch used the whole gathered tensor, so each slice's grad is the sum over ranks).")
+ReduceScatterAllGather = _dim_pair(
+    "ReduceScatterAllGather", reduce_scatter_along, all_gather_along,
+    "SP out of a row-parallel region. Forward: reduce-scatter along dim. Backward: all-gather along dim.")
+SplitAllGather = _dim_pair(
+    "SplitAllGather", split_along, all_gather_along,
+    "Forward: keep this rank's slice of a replicated tensor. Backward: all-gather the slices' grads.")
+AllGatherSplit = _dim_pair(
+    "AllGatherSplit", all_gather_along, split_along,
+    "Forward: all-gather slices into a replicated tensor. Backward: keep this rank's slice of the grad (every rank "
+    "holds the same replicated grad, so no sum).")
 
 
 def copy_to_region(x: Tensor, group) -> Tensor:

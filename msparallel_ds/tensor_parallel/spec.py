@@ -3,9 +3,9 @@ from the parallel plan's styles.
 
 Rule (Megatron's, written only here): rank r of a group of T holds `full.chunk(T, dim)[r]` of a split parameter;
 every other parameter is a full replica on each rank of the group. A Shard names its group ("tp", or "ep" for the
-routed experts of a MoE layer, split along the expert dim). The TP layers cut their shards with it, and the weight gather,
-the checkpoints (save, load, convert-checkpoint), save_pretrained and from_pretrained read the same entries, so a
-parameter's layout is decided once, by the style its module has in the TP plan:
+routed experts of a MoE layer, split along the expert dim). The TP layers cut their shards with it, and the weight
+gather, the checkpoints (save, load, convert-checkpoint), save_pretrained and from_pretrained read the same entries,
+so a parameter's layout is decided once, by the style its module has in the TP or EP plan:
 
 | style                  | weight          | bias            |
 |------------------------|-----------------|-----------------|
