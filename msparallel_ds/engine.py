@@ -58,6 +58,7 @@ class Engine:
         # losses) / N.
         self._grad_divisor = layout.size("dp")
         self.last_aux_loss: Optional[float] = None  # the router's aux + z loss of the last step (logged apart)
+        self.last_mtp_loss: Optional[float] = None  # the multi-token-prediction cross-entropy (logged apart)
         if applied.aux_loss is not None:  # DeepSpeed divides by dp; micro-batches are averaged like the LM loss
             applied.aux_loss.scale = layout.size("dp") / self.gradient_accumulation_steps
         # ZeRO-0 with expert parallel: the true global norm is ours (runtime.deepspeed_config turned DeepSpeed's off)
@@ -82,13 +83,15 @@ class Engine:
     def _check_batch(self, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
         return check_batch(batch, self, "runner_config.gradient_accumulation_steps")
 
+    def _micro(self, batch: Mapping[str, Any], rows: slice) -> dict:
+        micro = {k: (v[rows] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == len(batch["input_ids"])
+                     else v) for k, v in batch.items()}
+        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in micro.items()}
+
     def _micro_inputs(self, batch: Mapping[str, Any], rows: slice) -> tuple[dict, Tensor]:
         from .context_parallel.batch import inputs_and_targets
 
-        micro = {k: (v[rows] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == len(batch["input_ids"])
-                     else v) for k, v in batch.items()}
-        micro = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in micro.items()}
-        return inputs_and_targets(micro, self.layout)
+        return inputs_and_targets(self._micro(batch, rows), self.layout)
 
     def _token_loss_sum(self, logits: Tensor, targets: Tensor) -> Tensor:
         return token_loss_sum(logits, targets, self.applied.output_head(self.model))
@@ -100,6 +103,9 @@ class Engine:
         ids, labels = self._check_batch(batch)
         dp = self.layout.size("dp")
         n_tokens = global_token_count(labels, self.layout, self.device)
+        mtp = self.applied.mtp
+        mtp_counts = mtp.token_counts(labels, self.layout, self.device) if mtp is not None else []
+        mtp_total = torch.zeros(len(mtp_counts), dtype=torch.float32, device=self.device)
         self.model.train()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         interleave = self.applied.interleave
@@ -107,6 +113,7 @@ class Engine:
         for m in range(self.gradient_accumulation_steps):
             rows = slice(m * self.micro_batch_size, (m + 1) * self.micro_batch_size)
             inputs, targets = self._micro_inputs(batch, rows)
+            mtp_targets = mtp.prepare(self._micro(batch, rows), self.layout) if mtp is not None else []
             out = self.ds(**inputs, use_cache=False)
             logits = out.logits if hasattr(out, "logits") else out[0]
             if summed_copies:
@@ -119,12 +126,22 @@ class Engine:
                 self.ds.step()
                 continue
             loss_sum = self._token_loss_sum(logits, targets)
-            self.ds.backward(loss_sum * (self._grad_divisor / n_tokens), scale_wrt_gas=False)
+            loss = loss_sum * (self._grad_divisor / n_tokens)
+            if mtp is not None:  # mtp_loss_scaling_factor / D x each depth's token mean, logged apart
+                sums = mtp.loss_sums(self.applied.output_head(self.model), mtp_targets)
+                loss = loss + sum(s_ * (self._grad_divisor * mtp.scale / mtp.depth / n)
+                                  for s_, n in zip(sums, mtp_counts))
+                mtp_total += torch.stack([s_.detach().float() for s_ in sums])
+            self.ds.backward(loss, scale_wrt_gas=False)
             total += loss_sum.detach().float()
             self._before_step(m, total)
             self.ds.step()
         self._after_step()
         self._log_aux_loss()
+        if mtp is not None:  # each depth's global token-mean cross-entropy, averaged over depths
+            self.last_mtp_loss = float((sum_over(self.layout, "dp_cp", mtp_total) / torch.stack(mtp_counts)).mean())
+        if self.applied.expert_bias is not None:  # aux-loss-free balancing: after the step, from its global loads
+            self.applied.expert_bias.update()
         self.global_steps += 1
         if summed_copies:  # MindFormers logs the summed loss / N; averaged over dp ranks and micro-batches
             return total / (dp * self.gradient_accumulation_steps * interleave.copies)

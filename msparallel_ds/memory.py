@@ -1,15 +1,19 @@
 """Per-rank memory estimate for a Llama-family decoder under a Plan (pure arithmetic, in GiB).
 
 Assumptions (stated so the numbers can be checked):
-- Parameters: per layer q,o = h*h each, k,v = h*(kv*h/heads) each, SwiGLU MLP 3*h*ffn (ffn = ffn_hidden_size, or
-  8h/3 rounded up to 256 when absent), two norms 2h; embedding and an untied output head V*h each, split over tp when
-  vocab parallel. The worst rank holds the busiest pipeline stage plus the embedding (first stage) or the head.
+- Parameters per layer: model_params.py (Llama or Multi-head Latent Attention, SwiGLU MLP 3*h*ffn with ffn =
+  ffn_hidden_size or 8h/3 rounded up to 256, two norms 2h; MoE and MTP layers); embedding and an untied output head
+  V*h each, split over tp when vocab parallel. The worst rank holds the busiest pipeline stage plus the embedding
+  (first stage) or the head; with MTP layers and pp > 1 the last stage holds the embedding too.
 - Bytes: weights and gradients in the compute dtype (bf16/fp16: 2, fp32: 4); Adam state 12 bytes/param in mixed
   precision (fp32 master + m + v) or 8 in fp32. ZeRO-1 divides optimizer state, ZeRO-2 also gradients, ZeRO-3
   also weights, by dp x cp.
 - Activations per layer and micro-batch (Korthikanti et al. 2022) with s = seq/cp, b = batch_size x
   micro_batch_interleave_num, h = hidden, a = heads, t = tp: 34*s*b*h/t with sequence parallel,
-  s*b*h*(10 + 24/t) without; plus 5*a*s*s*b/t for the attention matrix unless flash attention is on.
+  s*b*h*(10 + 24/t) without; plus 5*a*s*s*b/t for the attention matrix unless flash attention is on. With MLA
+  the 8*s*b*h of q, k, v and the output projection's input become 4*s*b*(q + v) with q = a*(nope+rope) (q and k)
+  and v = a*v_head_dim (v and the projection input); the low-rank latents are not counted. MTP layers count as
+  decoder layers of the last stage (mcore places them outside the layer split).
   Full recompute keeps only the layer input, 2*s*b*h (/t with sequence parallel). Pipeline 1F1B keeps
   min(micro_batch_num, pp) micro-batches in flight on the first stage (all of them for GPipe).
 - Logits: fp32 s*b*V (/t when vocab parallel) on the last stage. Buffers, fragmentation and communication
@@ -22,11 +26,11 @@ Assumptions (stated so the numbers can be checked):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Optional
 
-from .moe.plan import stage_params
+from .model_params import dense_layer, mla_dims
+from .moe.plan import stage_layer_kinds, stage_params
 
 if TYPE_CHECKING:
     from .config.schema import ParallelConfig
@@ -52,20 +56,11 @@ class MemoryEstimate:
 
 
 def param_counts(cfg: "ParallelConfig") -> Optional[tuple[int, int]]:
-    """(parameters per decoder layer, embedding-or-head parameters), or None when the shape is unknown."""
+    """(parameters of a dense decoder layer, embedding-or-head parameters), or None when the shape is unknown."""
     m = cfg.model
     if None in (m.num_layers, m.hidden_size, m.num_heads, m.vocab_size):
         return None
-    h = m.hidden_size
-    head_dim = h // m.num_heads
-    kv = m.kv_heads * head_dim
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * ffn_size(cfg) + 2 * h
-    return per_layer, m.vocab_size * h
-
-
-def ffn_size(cfg: "ParallelConfig") -> int:
-    """The dense feed-forward size: ffn_hidden_size, or 8h/3 rounded up to 256."""
-    return cfg.model.ffn_hidden_size or 256 * math.ceil(8 * cfg.model.hidden_size / 3 / 256)
+    return dense_layer(cfg).total, m.vocab_size * m.hidden_size
 
 
 def estimate_memory(plan: "Plan") -> Optional[MemoryEstimate]:
@@ -74,13 +69,16 @@ def estimate_memory(plan: "Plan") -> Optional[MemoryEstimate]:
     counts = param_counts(cfg)
     if counts is None or m.seq_length is None:
         return None
-    per_layer, embed = counts
+    embed = counts[1]
     mesh = plan.mesh
     t, p = mesh.tp, mesh.pp
-    stage_layers = max(sum(col) for col in zip(*plan.layers_per_stage)) if plan.layers_per_stage else m.num_layers
+    kinds = stage_layer_kinds(plan)
+    stage_layers = max(sum(k) for k in kinds)
     vocab_split = t if plan.vocab_parallel else 1
-    # pp == 1: embedding and head both here (head untied); pp > 1: one of them on the worst stage
+    # pp == 1: embedding and head both here (head untied); pp > 1: one of them on the worst stage, and the last
+    # stage's MTP layers need the embedding beside the head
     embed_params = embed * (2 if p == 1 else 1) // vocab_split
+    mtp_embed = embed // vocab_split if p > 1 and m.mtp_depth else 0
     wbytes = 2 if plan.compute_dtype in ("bf16", "fp16") else 4
     obytes = 12 if wbytes == 2 else 8
     z, shard, edp = plan.zero.stage, mesh.dp * mesh.cp, plan.expert_data_parallel
@@ -89,17 +87,18 @@ def estimate_memory(plan: "Plan") -> Optional[MemoryEstimate]:
         return tuple(n * (params / (shard if z >= level else 1) + experts / (edp if z >= level else 1))
                      for n, level in ((wbytes, 3), (wbytes, 2), (obytes, 1)))
 
-    stages = stage_params(plan, per_layer, ffn_size(cfg))
-    if stages is None:
-        params, experts = stage_layers * per_layer // t + embed_params, 0
-    else:
-        params, experts = max(((d + embed_params, e) for d, e in stages), key=lambda pe: sum(states(*pe)))
+    stages = [(d + embed_params + (mtp_embed if j == len(kinds) - 1 else 0), e)
+              for j, (d, e) in enumerate(stage_params(plan))]
+    params, experts = max(stages, key=lambda pe: sum(states(*pe)))
     weights, grads, optim = states(params, experts)
 
     s = m.seq_length // mesh.cp
     b = plan.micro_batch_size * plan.micro_batch_interleave_num
     h, a = m.hidden_size, m.num_heads
-    layer_act = 34 * s * b * h / t if plan.sequence_parallel else s * b * h * (10 + 24 / t)
+    mla = mla_dims(m)
+    # q, k, v and the output projection's input: 8*s*b*h (dense), or MLA's per-head widths
+    qkv = 4 * a * (mla["nope"] + mla["rope"] + mla["v"]) if mla else 8 * h
+    layer_act = (26 * h + qkv) * s * b / t if plan.sequence_parallel else s * b * (10 * h + (16 * h + qkv) / t)
     if not m.use_flash_attention:
         layer_act += 5 * a * s * s * b / t
     layer_ckpt = 2 * s * b * h / (t if plan.sequence_parallel else 1)
@@ -135,3 +134,19 @@ def missing_shape_note(cfg) -> Optional[str]:
              "does not read" if cfg.pretrained_model_dir else "")
     return (f"no memory estimate or layer split: model.model_config lacks {', '.join(missing)}{where}; add them to "
             "model.model_config to get both")
+
+
+def shape_notes(cfg: "ParallelConfig") -> list[str]:
+    """What the estimate counts of Multi-head Latent Attention and multi-token prediction, when the model has them."""
+    m, parts = cfg.model, []
+    d = mla_dims(m)
+    if d:
+        q = f"q_lora {d['q_lora']}" if d["q_lora"] else "no q_lora (one q projection)"
+        parts.append(f"MLA attention: {q}, kv_lora {d['kv_lora']} (latent KV cache {d['kv_lora'] + d['rope']} per "
+                     f"token), rope {d['rope']}, nope {d['nope']}, v {d['v']}; q_a / kv_a projections and their norms "
+                     "replicated on every tp rank")
+    if m.mtp_depth:
+        where = "counted in the layer split (legacy)" if cfg.use_legacy else "outside the layer split (mcore)"
+        loss = f", loss x{m.mtp_loss_factor:g}" if m.mtp_loss_factor is not None else ""
+        parts.append(f"MTP: {m.mtp_depth} layer(s) on the last stage, {where}{loss}")
+    return ["; ".join(parts)] if parts else []

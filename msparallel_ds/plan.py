@@ -14,7 +14,7 @@ from typing import Any, Optional
 from .config.errors import ConfigError, ConfigIssue
 from .config.rules import layers_per_stage, ulysses_degree, virtual_stages
 from .config.schema import ParallelConfig
-from .memory import MemoryEstimate, estimate_memory, missing_shape_note
+from .memory import MemoryEstimate, estimate_memory, missing_shape_note, shape_notes
 from .moe.plan import expert_data_parallel, moe_notes
 from .optim_plan import activation_offload_entry, lr_schedule_entry, optimizer_entry
 
@@ -215,7 +215,7 @@ def make_plan(cfg: ParallelConfig | Any, world_size: Optional[int] = None) -> Pl
         activation_offload=activation_offload_entry(cfg, notes), moe=cfg.moe,
         expert_data_parallel=expert_data_parallel(cfg, mesh),
     )
-    notes += moe_notes(cfg, mesh)
+    notes += moe_notes(cfg, mesh) + shape_notes(cfg)
     if cfg.parallel.parallel_mode in ("auto_parallel", "hybrid_parallel"):
         notes.append(f"parallel_mode={cfg.parallel.parallel_mode}: the parallel_config degrees are used as given")
     memory = estimate_memory(plan)

@@ -41,6 +41,9 @@ class Interleave:
         return dataclasses.asdict(self)
 
 
+DEFAULT_MTP_SCALE = 0.3  # MindFormers' mtp_loss_factor default (research/deepseek3 deepseek3_config.py)
+
+
 @dataclass(frozen=True)
 class Options:
     """What to apply; `Options.from_plan(layout.plan)` is the YAML's, overrides come through dataclasses.replace."""
@@ -54,6 +57,10 @@ class Options:
     interleave: Interleave = field(default_factory=Interleave)
     capacity: Any = None               # moe.capacity rule (None: dropless)
     aux_loss: Optional[dict] = None    # {"coeff", "scope", "z_coeff"} of the router's aux / z loss (moe.aux_loss)
+    expert_bias_rate: Optional[float] = None  # aux-loss-free balancing's update rate (moe.expert_bias); None: off
+    mtp_depth: int = 0                 # multi-token-prediction layers (models.mtp); 0: off
+    mtp_scale: float = 0.0             # mtp_loss_scaling_factor
+    mtp_legacy: bool = False           # MindFormers' legacy MTP: pre-norm hidden, [hnorm(h), enorm(emb)]
 
     @classmethod
     def from_plan(cls, plan: Any) -> Options:
@@ -67,7 +74,12 @@ class Options:
             capacity = Capacity(moe.capacity_factor, moe.drop_policy, round_to)
         aux = (None if moe is None else
                {"coeff": moe.aux_loss_coeff, "scope": moe.aux_loss_scope, "z_coeff": moe.z_loss_coeff})
-        return cls(capacity=capacity, aux_loss=aux, sequence_parallel=bool(get("sequence_parallel", False)),
+        bias = None if moe is None or not moe.expert_bias else moe.bias_update_rate_or_default
+        model = getattr(getattr(plan, "config", None), "model", None)
+        mtp = dict(mtp_depth=model.mtp_depth, mtp_scale=float(model.mtp_loss_factor if model.mtp_loss_factor
+                                                                is not None else DEFAULT_MTP_SCALE),
+                   mtp_legacy=plan.config.use_legacy) if model is not None and model.mtp_depth else {}
+        return cls(capacity=capacity, aux_loss=aux, expert_bias_rate=bias, **mtp, sequence_parallel=bool(get("sequence_parallel", False)),
                    vocab_parallel=bool(get("vocab_parallel", False)), cp_algo=get("cp_algo", None),
                    recompute=get("recompute", None), activation_offload=get("activation_offload", None),
                    interleave=Interleave(get("micro_batch_interleave_num", 1), get("fine_grain_interleave", 1)))
@@ -91,6 +103,8 @@ class Applied:
     offloaded: tuple[str, ...] = ()  # decoder layers whose activations are kept on the host (swap_config)
     ep_plan: dict[str, str] = field(default_factory=dict)  # MoE experts split over ep ({} when ep == 1)
     aux_loss: Any = None  # moe.aux_loss.AuxLoss when the YAML sets a load-balancing or z loss
+    expert_bias: Any = None  # moe.expert_bias.ExpertBias when the YAML turns on aux-loss-free balancing
+    mtp: Any = None  # models.mtp.MultiTokenPrediction when the YAML sets MTP layers
 
     def output_head(self, part: nn.Module) -> Optional[nn.Module]:
         """The part's output head (vocab-parallel under vocab_emb_dp: false), for the engines' loss."""
@@ -131,6 +145,8 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
     interleave_on = inter.copies > 1 or inter.fine_grain > 1 or inter.copy_loss != "mean"
     adapter = _adapter(part, needed=tp > 1 or ep > 1 or recompute_on or interleave_on
                        or bool(options.activation_offload))
+    if options.mtp_depth:
+        _add_mtp(part, layout, options.mtp_depth)
     names = [n for n, _ in part.named_parameters(remove_duplicate=False)]
     plan: dict[str, str] = {}
     if tp > 1:
@@ -143,6 +159,20 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
 
         check_model(settings, part.config, ep)  # the YAML's MoE keys vs the HF model
     ep_plan, aux_loss = apply_ep(part, layout, adapter, options.capacity, options.aux_loss)
+    expert_bias = None
+    if options.expert_bias_rate is not None:
+        from .moe.expert_bias import install_expert_bias
+
+        expert_bias = install_expert_bias(part, adapter or adapter_for(part), layout, options.expert_bias_rate)
+    mtp = None
+    if options.mtp_depth:
+        from .models.mtp import MultiTokenPrediction
+        from .tensor_parallel.mappings import scatter_to_region
+
+        sp = options.sequence_parallel and tp > 1
+        mtp = MultiTokenPrediction(part, options.mtp_scale, after_norm=not options.mtp_legacy,
+                                   hidden_first=options.mtp_legacy,
+                                   scatter=(lambda x: scatter_to_region(x, layout.group("tp"), 1)) if sp else None)
     spec = ShardSpec.from_plan({**plan, **ep_plan}, names)
     cp_algo = None
     if layout.size("cp") > 1:
@@ -162,7 +192,24 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
     return Applied(layout=layout, adapter=adapter, tp_plan=plan, spec=spec,
                    sequence_parallel=bool(options.sequence_parallel and tp > 1),
                    vocab_parallel=bool(options.vocab_parallel and tp > 1), cp_algo=cp_algo, recompute=recompute,
-                   interleave=interleave, offloaded=offloaded, ep_plan=ep_plan, aux_loss=aux_loss)
+                   interleave=interleave, offloaded=offloaded, ep_plan=ep_plan, aux_loss=aux_loss,
+                   expert_bias=expert_bias, mtp=mtp)
+
+
+def _add_mtp(part: nn.Module, layout: ParallelLayout, depth: int) -> None:
+    """The YAML's MTP layers on a whole model (models.mtp); pipeline stages and multi-copy do not run them yet."""
+    from .models.mtp import add_mtp_layers
+
+    if layout.size("pp") > 1 or not hasattr(part, "get_input_embeddings"):
+        raise ValueError(f"model.model_config.mtp_depth={depth} (multi-token prediction) with pipeline_stage="
+                         f"{layout.size('pp')}: the MTP layers run with data, tensor, sequence, context and expert "
+                         "parallel, not yet on a pipeline's last stage; set pipeline_stage: 1 or mtp_depth: 0")
+    plan = getattr(layout, "plan", None)
+    if plan is not None and plan.micro_batch_interleave_num > 1:
+        raise ValueError(f"model.model_config.mtp_depth={depth} with micro_batch_interleave_num="
+                         f"{plan.micro_batch_interleave_num}: multi-token prediction does not run with the multi-copy "
+                         "interleave yet; set micro_batch_interleave_num: 1")
+    add_mtp_layers(part, depth)
 
 
 # models parallelized by msp.parallelize -> their record, for msp.initialize / accelerate / the Trainer

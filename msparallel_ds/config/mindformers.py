@@ -33,6 +33,12 @@ MODEL_ALIASES = {
     "ffn_hidden_size": ("ffn_hidden_size", "intermediate_size"),
     "seq_length": ("seq_length",),
     "vocab_size": ("vocab_size", "padded_vocab_size"),
+    "q_lora_rank": ("q_lora_rank",),
+    "kv_lora_rank": ("kv_lora_rank",),
+    "qk_rope_head_dim": ("qk_rope_head_dim", "qk_pos_emb_head_dim"),  # Megatron-Core MLATransformerConfig names
+    "qk_nope_head_dim": ("qk_nope_head_dim", "qk_head_dim"),  # Megatron's qk_head_dim excludes the rope part
+    "v_head_dim": ("v_head_dim",),
+    "mtp_loss_factor": ("mtp_loss_factor", "mtp_loss_scaling_factor"),
     "compute_dtype": ("compute_dtype",),
     "param_init_type": ("param_init_type", "params_dtype"),
     "fine_grain_interleave": ("fine_grain_interleave",),

@@ -179,6 +179,13 @@ class ModelShape(_Section):
     ffn_hidden_size: Optional[Count] = None
     seq_length: Optional[Count] = None
     vocab_size: Optional[Count] = None
+    # Multi-head Latent Attention (DeepSeek-V2/V3; on when kv_lora_rank is set): model_params.py counts it
+    q_lora_rank: Optional[NonNegCount] = None  # None / 0: q is one projection (no low-rank query)
+    kv_lora_rank: Optional[Count] = None
+    qk_rope_head_dim: Optional[Count] = None
+    qk_nope_head_dim: Optional[Count] = None
+    v_head_dim: Optional[Count] = None
+    mtp_loss_factor: Optional[Number] = None  # reported in the plan's notes only
     compute_dtype: Literal["float32", "float16", "bfloat16"] = "float16"
     param_init_type: Literal["float32", "float16", "bfloat16"] = "float32"
 

@@ -1,10 +1,11 @@
 """All-gather context parallelism (MindFormers' colossalai_cp): gather K/V over cp, attend locally.
 
 Every rank holds its zigzag shard (sharding.py with R = cp, U = 1): query chunks r and 2R-1-r, so causal work is
-balanced. Forward all-gathers only the h_kv heads of K and V (one packed buffer) and reassembles the full sequence
-in global order; each local query chunk m attends to the prefix before it (no mask) and to itself (causal
-diagonal), merged in fp32: no full mask is ever built. Backward re-gathers K/V (nothing sequence-sized is saved),
-accumulates dK/dV for the whole sequence in fp32 and reduce-scatters (sum) them back to their owners in fp32.
+balanced. Forward all-gathers only the h_kv heads of K and V (one flat buffer, ring.pack_kv; V may have its own
+head dim) and reassembles the full sequence in global order; each local query chunk m attends to the prefix before
+it (no mask) and to itself (causal diagonal), merged in fp32: no full mask is ever built. Backward re-gathers K/V
+(nothing sequence-sized is saved), accumulates dK/dV for the whole sequence in fp32 and reduce-scatters (sum) them
+back to their owners in fp32.
 
 One autograd.Function covers gather -> attend -> reduce-scatter so the dK/dV partial sums cross ranks in fp32
 (split into two Functions, autograd would round them to the input dtype at the boundary before the sum).
@@ -25,7 +26,7 @@ from torch import Tensor
 
 from . import sharding
 from .kernels import Backend, block_backward, block_forward, merge, select_backend
-from .ring import _acc_dtype, _check
+from .ring import _acc_dtype, _check, pack_kv, unpack_kv
 
 __all__ = ["allgather_attention", "gather_doc_ids",
            "doc_blocks", "attend_blocks", "attend_blocks_backward"]
@@ -39,26 +40,31 @@ def _reduce_scatter_single(*args, **kwargs):
     return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
-def _all_gather_kv(k: Tensor, v: Tensor, group) -> Tensor:
-    """[2, b, h_kv, S, d]: every rank's K/V shard, in global token order."""
+def _all_gather_kv(k: Tensor, v: Tensor, group) -> tuple[Tensor, Tensor]:
+    """(K [b, h_kv, S, d], V [b, h_kv, S, d_v]): every rank's shards in global token order, from one all-gather."""
     n = dist.get_world_size(group)
-    kv = torch.stack([k, v]).contiguous()
-    out = torch.empty((n * 2, *kv.shape[1:]), dtype=kv.dtype, device=kv.device)  # concat form: any backend
+    kv = pack_kv(k, v)
+    out = torch.empty(n * kv.numel(), dtype=kv.dtype, device=kv.device)  # concat form: any backend
     _all_gather_single(out, kv, group=group)
-    return sharding.unshard(list(out.view(n, *kv.shape).unbind(0)), 3, n, 1)
+    parts = [unpack_kv(p, k.shape, v.shape) for p in out.view(n, -1).unbind(0)]
+    return tuple(sharding.unshard([p[i] for p in parts], 2, n, 1) for i in (0, 1))
 
 
-def _reduce_scatter_dkv(dkv_full: Tensor, group) -> Tensor:
-    """Sum every rank's full-sequence dK/dV [2, b, h_kv, S, d] and give each rank its own shard of the sum."""
+def _reduce_scatter_dkv(dk_full: Tensor, dv_full: Tensor, group) -> tuple[Tensor, Tensor]:
+    """Sum every rank's full-sequence dK/dV and give each rank its own shard of the sum (one reduce-scatter)."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
-    parts = torch.cat([sharding.shard(dkv_full, 3, n, 1, j, 0) for j in range(n)], dim=0)  # rank-major
-    out = torch.empty_like(parts[:2])
+    parts = torch.cat([pack_kv(sharding.shard(dk_full, 2, n, 1, j, 0), sharding.shard(dv_full, 2, n, 1, j, 0))
+                       for j in range(n)])  # rank-major
+    m = parts.numel() // n
+    out = torch.empty_like(parts[:m])
     try:
         _reduce_scatter_single(out, parts, group=group)
     except (RuntimeError, NotImplementedError):  # backends without reduce_scatter (old gloo): all-reduce + slice
         dist.all_reduce(parts, group=group)
-        out = parts[2 * me: 2 * me + 2]
-    return out
+        out = parts[m * me: m * (me + 1)]
+    shape = list(dk_full.shape)
+    shape[2] //= n
+    return unpack_kv(out, torch.Size(shape), torch.Size(shape[:3] + [dv_full.shape[3]]))
 
 
 # A plan is a list of blocks (rows, local query slice, ((global key slice, causal), ...)): the queries of one block
@@ -125,9 +131,10 @@ def doc_blocks(doc_ids: Tensor, q_ranges: list[tuple[int, int, int]], causal: bo
 
 def attend_blocks(q: Tensor, k: Tensor, v: Tensor, plan: list[Block], scale: float,
                   backend: Backend) -> tuple[Tensor, Tensor]:
-    """fp32 (out, lse) of the local queries q [b, h, s, d] over the whole sequence's k/v [b, h_kv, S, d]."""
+    """fp32 (out, lse) of the local queries q [b, h, s, d] over the whole sequence's k [b, h_kv, S, d] and v
+    [b, h_kv, S, d_v]; out has d_v columns."""
     acc = _acc_dtype(q.dtype)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    out = torch.zeros(*q.shape[:3], v.shape[3], dtype=acc, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
     for rows, qs, keys in plan:
         qc, o, l = q[rows, :, qs], None, None
@@ -141,7 +148,8 @@ def attend_blocks(q: Tensor, k: Tensor, v: Tensor, plan: list[Block], scale: flo
 def attend_blocks_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                            plan: list[Block], scale: float, backend: Backend, dq: Tensor, dk: Tensor,
                            dv: Tensor) -> None:
-    """Accumulate the plan's block gradients into the fp32 buffers dq [b, h, s, d] and dk/dv [b, h_kv, S, d]."""
+    """Accumulate the plan's block gradients into the fp32 buffers dq [b, h, s, d], dk [b, h_kv, S, d] and dv
+    [b, h_kv, S, d_v]."""
     for rows, qs, keys in plan:
         qc, oc, lc, dc = (t[rows, :, qs].contiguous() for t in (q, out, lse, dout))
         for ks, c in keys:
@@ -156,8 +164,7 @@ class _AllGatherKVAttendReduceScatterDKV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, plan, scale, backend):
-        kv = _all_gather_kv(k, v, group)
-        out, lse = attend_blocks(q, kv[0], kv[1], plan, scale, backend)
+        out, lse = attend_blocks(q, *_all_gather_kv(k, v, group), plan, scale, backend)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.plan, ctx.scale, ctx.backend = group, plan, scale, backend
@@ -167,20 +174,20 @@ class _AllGatherKVAttendReduceScatterDKV(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         acc = _acc_dtype(q.dtype)
-        kv = _all_gather_kv(k, v, ctx.group)  # re-gathered: saving it would keep S-sized K/V per layer alive
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-        attend_blocks_backward(dout, q, kv[0], kv[1], out, lse, ctx.plan, ctx.scale, ctx.backend, dq, dkv[0], dkv[1])
-        dkv = _reduce_scatter_dkv(dkv, ctx.group)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        kf, vf = _all_gather_kv(k, v, ctx.group)  # re-gathered: saving it would keep S-sized K/V per layer alive
+        dq, dkf, dvf = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, kf, vf))
+        attend_blocks_backward(dout, q, kf, vf, out, lse, ctx.plan, ctx.scale, ctx.backend, dq, dkf, dvf)
+        dk, dv = _reduce_scatter_dkv(dkf, dvf, ctx.group)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup], *, causal: bool,
                         scale: Optional[float] = None, backend: Optional[str | Backend] = None,
                         doc_ids: Optional[Tensor] = None) -> Tensor:
     """colossalai_cp attention of this rank's zigzag-sharded q over the all-gathered k/v of `group` (the cp group).
-    q [b, h, s_local, d], k/v [b, h_kv, s_local, d] -> [b, h, s_local, d] in q.dtype. doc_ids [b, s_local]: this
-    rank's shard of the packed documents' ids (non-decreasing along the full row): document-causal attention."""
+    q [b, h, s_local, d], k [b, h_kv, s_local, d], v [b, h_kv, s_local, d_v] -> [b, h, s_local, d_v] in q.dtype
+    (scale defaults to 1/sqrt(d)). doc_ids [b, s_local]: this rank's shard of the packed documents' ids
+    (non-decreasing along the full row): document-causal attention."""
     _check(q, k, v, causal or doc_ids is not None)  # packed: the zigzag chunks map local to global positions
     if group is None:
         group = dist.group.WORLD

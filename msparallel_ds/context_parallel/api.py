@@ -1,6 +1,6 @@
 """Public context-parallel entry points: attention in HF/flash layout, and sequence (un)sharding.
 
-    out = context_parallel_attention(q, k, v, layout)   # q [b, s_local, h, d], k/v [b, s_local, h_kv, d]
+    out = context_parallel_attention(q, k, v, layout)   # q [b, s_local, h, d], k/v [b, s_local, h_kv, d / d_v]
     x_local = shard_sequence(x, layout, dim=1); x = unshard_sequence(x_local, layout, dim=1)
 
 The algorithm defaults to the plan's (MindFormers context_parallel_algo: colossalai_cp -> "allgather", or "ring"
@@ -90,19 +90,21 @@ def _validate(q: Any, k: Any, v: Any) -> None:
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
     b, s, h, d = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape [batch, s_local, kv_heads, head_dim]; got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same shape [batch, s_local, kv_heads] (only the head_dim may "
+                         f"differ, e.g. DeepSeek MLA); got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[0] != b or k.shape[1] != s:
         raise ValueError(f"q has batch={b}, s_local={s} but k/v have batch={k.shape[0]}, s_local={k.shape[1]}: "
                          "shard q, k and v the same way (same inputs to shard_sequence)")
     if k.shape[3] != d:
-        raise ValueError(f"head_dim differs: q has {d}, k/v have {k.shape[3]}")
+        who = "k/v have" if v.shape[3] == k.shape[3] else "k has"
+        raise ValueError(f"head_dim differs: q has {d}, {who} {k.shape[3]} (k must have q's head_dim; only v may "
+                         f"have its own)")
     h_kv = k.shape[2]
     if h_kv == 0 or h % h_kv:
         raise ValueError(f"num_heads={h} must be a multiple of num_kv_heads={h_kv} (GQA/MQA groups)")
-    if b == 0 or s == 0 or d == 0:
-        raise ValueError(f"empty input: q shape {tuple(q.shape)}")
+    if b == 0 or s == 0 or d == 0 or v.shape[3] == 0:
+        raise ValueError(f"empty input: q shape {tuple(q.shape)}, v shape {tuple(v.shape)}")
 
 
 def _validate_doc_ids(doc_ids: Any, q: Tensor, layout: ParallelLayout, name: str) -> str:
@@ -148,11 +150,11 @@ def _check_inputs(q: Any, k: Any, v: Any, layout: ParallelLayout, causal: bool, 
     return name, scale
 
 
-_PEER_FIELDS = ("batch", "s_local", "num_heads", "num_kv_heads", "head_dim", "dtype", "causal", "softmax_scale",
-                "algo", "doc_ids given")
+_PEER_FIELDS = ("batch", "s_local", "num_heads", "num_kv_heads", "head_dim", "v_head_dim", "dtype", "causal",
+                "softmax_scale", "algo", "doc_ids given")
 
 
-def _check_peers(layout: ParallelLayout, q: Any, k: Any, causal: bool, scale: float, name: Optional[str],
+def _check_peers(layout: ParallelLayout, q: Any, k: Any, v: Any, causal: bool, scale: float, name: Optional[str],
                  doc_ids: Any, error: Optional[Exception]) -> None:
     """One all-gather of [ok, *_PEER_FIELDS] over cp; a ValueError on every rank whose own inputs passed when any
     cp peer's differ or were rejected (a rank that rejected its own raises its own error)."""
@@ -160,7 +162,7 @@ def _check_peers(layout: ParallelLayout, q: Any, k: Any, causal: bool, scale: fl
 
     if error is None:
         b, s, h, d = q.shape
-        meta = [1, b, s, h, k.shape[2], d, dtype_code(q.dtype), int(bool(causal)),
+        meta = [1, b, s, h, k.shape[2], d, v.shape[3], dtype_code(q.dtype), int(bool(causal)),
                 struct.unpack("<q", struct.pack("<d", scale))[0], ALGOS.index(name) if name in ALGOS else -1,
                 int(doc_ids is not None)]
     else:
@@ -204,9 +206,10 @@ def _peer_values(row: list[int], ref: list[int]) -> str:
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: ParallelLayout, causal: bool = True,
                                softmax_scale: Optional[float] = None, algo: Optional[str] = None,
                                backend: Union[None, str, Backend] = None, doc_ids: Optional[Tensor] = None) -> Tensor:
-    """Attention over the whole (cp-sharded) sequence. q [b, s_local, h, d], k/v [b, s_local, h_kv, d], each
-    this rank's tokens as given by shard_sequence(..., algo) (same algo); returns [b, s_local, h, d] (a
-    transposed view of the [b, h, s, d] result). Differentiable; softmax_scale defaults to 1/sqrt(d).
+    """Attention over the whole (cp-sharded) sequence. q [b, s_local, h, d], k [b, s_local, h_kv, d], v
+    [b, s_local, h_kv, d_v] (d_v may differ from d: DeepSeek MLA), each this rank's tokens as given by
+    shard_sequence(..., algo) (same algo); returns [b, s_local, h, d_v] (a transposed view of the [b, h, s, d_v]
+    result). Differentiable; softmax_scale defaults to 1/sqrt(d) (the query's head dim).
     `backend` forces a block kernel (kernels.BACKENDS name).
 
     doc_ids (packed rows): integer [b, s_local], sharded like q, of document ids that are non-decreasing along the
@@ -214,7 +217,7 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: Parallel
     ulysses (hybrid with cp_ring == 1).
 
     Before its first collective every cp rank all-gathers a few ints (its input check's verdict, batch, s_local,
-    heads, kv heads, head_dim, dtype, causal, scale, algo, doc_ids or not), so inputs that differ between cp ranks
+    heads, kv heads, head_dims, dtype, causal, scale, algo, doc_ids or not), so inputs that differ between cp ranks
     (or a rank that rejected its inputs) are one clear error on every cp rank instead of a hang or a backend abort.
     `layout.check_cp_agreement = False` skips that tiny collective (one per call)."""
     _check_layout(layout)
@@ -228,7 +231,7 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: Parallel
     except (TypeError, ValueError) as e:
         error = e
     if getattr(layout, "check_cp_agreement", True) and dist.is_initialized():  # no peers without a process group
-        _check_peers(layout, q, k, causal, scale, name, doc_ids, error)
+        _check_peers(layout, q, k, v, causal, scale, name, doc_ids, error)
     if error is not None:
         raise error
     kw = dict(causal=causal, scale=scale, backend=backend)

@@ -33,7 +33,8 @@ def _groups(layout_or_groups: Any):
 
 def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, layout_or_groups: Any, *, causal: bool, scale: float,
                      backend: Union[None, str, Backend] = None) -> Tensor:
-    """q [b, h, s_local, d], k/v [b, h_kv, s_local, d] in the hybrid zigzag layout; returns [b, h, s_local, d].
+    """q [b, h, s_local, d], k [b, h_kv, s_local, d], v [b, h_kv, s_local, d_v] in the hybrid zigzag layout;
+    returns [b, h, s_local, d_v].
 
     Any (cp_ring, cp_ulysses) pair works: U = 1 is plain ring, R = 1 is plain Ulysses.
     """

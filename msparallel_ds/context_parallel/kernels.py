@@ -1,8 +1,9 @@
 """Local block attention behind one interface, for every context-parallel algorithm.
 
 Layout inside context_parallel/ is [b, h, s, d] (what the kernels want); GQA: k/v have h_kv heads, h % h_kv == 0,
-and are never repeated before a call. A block call returns (out, lse) with lse [b, h, s_q] in fp32; `merge`
-folds a block into an fp32 running (out, lse) so a result is rounded to the input dtype once, at the very end.
+and are never repeated before a call; v may have its own head dim d_v (DeepSeek MLA): out and dv then have d_v
+columns. A block call returns (out, lse) with lse [b, h, s_q] in fp32; `merge` folds a block into an fp32 running
+(out, lse) so a result is rounded to the input dtype once, at the very end.
 The backward of one block takes the FINAL out and lse (flash-attention's trick), so per-block gradients add up.
 
 Backends (picked per device/dtype, forced with `backend=` or MSPARALLEL_ATTN_BACKEND, logged at debug level):
@@ -16,6 +17,11 @@ Backends (picked per device/dtype, forced with `backend=` or MSPARALLEL_ATTN_BAC
   to cuda_flash / cuda_efficient inside the backend); block outputs come back in fp32. Opt-in until the kernels
   have been verified on a GPU: force it by name (backend= or MSPARALLEL_ATTN_BACKEND=cuda_fused), which builds it
   on first use. When the extension is loaded, `merge` runs as one fused CUDA kernel. Never on CPU.
+
+Every backend but math needs one head dim for q, k and v (torch's flash/efficient ops and ops/ alike):
+block_forward / block_backward zero-pad the smaller of d_qk / d_v to the larger and slice the results. That is
+exact: zero columns of q/k add nothing to the scores, the padded columns of out are 0, and the gradients of the
+padded columns (0 too) are dropped. The fused kernels then see v padded to d_qk (run when that is 64 or 128).
 """
 from __future__ import annotations
 
@@ -38,11 +44,20 @@ class Backend:
     forward: Callable[..., tuple[Tensor, Tensor]]
     backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
     supports: Callable[[torch.device, torch.dtype, bool], bool]  # (device, dtype, has_mask)
+    same_head_dim: bool = True  # the op needs v.shape[-1] == q.shape[-1]: block_forward/backward pad for it
 
 
 # ---------------------------------------------------------------------------------------------- math
 def _expand_kv(x: Tensor, groups: int) -> Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _sum_groups(g: Tensor, groups: int) -> Tensor:
+    """[b, h, s, d] gradients of repeated kv heads -> [b, h // groups, s, d] (d of g itself: dk and dv differ)."""
+    if groups == 1:
+        return g
+    b, h, s, d = g.shape
+    return g.view(b, h // groups, groups, s, d).sum(2)
 
 
 def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, mask: Optional[Tensor]) -> Tensor:
@@ -83,11 +98,7 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     dq = torch.matmul(ds, kf) * scale
     dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
     dv = torch.matmul(p.transpose(-1, -2), do)
-    if groups > 1:
-        b, h, s, d = dk.shape
-        dk = dk.view(b, h // groups, groups, s, d).sum(2)
-        dv = dv.view(b, h // groups, groups, s, d).sum(2)
-    return dq, dk, dv
+    return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
 
 
 # ---------------------------------------------------------------------------------------------- cpu flash
@@ -146,11 +157,7 @@ def _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout.to(q.dtype), q, ke, ve, None, out.to(q.dtype), lse.contiguous(), seed, seed, 0.0,
         [True, True, True, False], causal, scale=scale)
-    if groups > 1:
-        b, h, s, d = dk.shape
-        dk = dk.view(b, h // groups, groups, s, d).sum(2)
-        dv = dv.view(b, h // groups, groups, s, d).sum(2)
-    return dq, dk, dv
+    return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
 
 
 # ---------------------------------------------------------------------------------------------- fused cuda (ops/)
@@ -171,8 +178,7 @@ def _fused_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     if not fa.supports(q, k):
         return _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale)
     delta = fa.backward_preprocess(out.to(q.dtype), dout)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk, dv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2))
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
     fa.backward_step(dout, q, k, v, lse, delta, dq, dk, dv, fa.Mode.CAUSAL if causal else fa.Mode.FULL, scale)
     return dq, dk, dv
 
@@ -203,7 +209,7 @@ BACKENDS: dict[str, Backend] = {
                           lambda dev, dt, m: dev.type == "cuda" and dt in (torch.float16, torch.bfloat16) and not m),
     "cuda_efficient": Backend("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward,
                               lambda dev, dt, m: dev.type == "cuda" and dt != torch.float64 and not m),
-    "math": Backend("math", _math_forward, _math_backward, lambda dev, dt, m: True),
+    "math": Backend("math", _math_forward, _math_backward, lambda dev, dt, m: True, same_head_dim=False),
     "cuda_fused": Backend("cuda_fused", _fused_forward, _fused_backward, _fused_supports),
 }
 PREFERENCE = ("cuda_flash", "cuda_efficient", "cpu_flash", "math")  # cuda_fused: opt-in (not yet GPU-verified)
@@ -232,16 +238,38 @@ def select_backend(device: torch.device, dtype: torch.dtype, *, has_mask: bool =
     return BACKENDS["math"]
 
 
+def _padded_dim(backend: Backend, q: Tensor, v: Tensor) -> Optional[int]:
+    """The common head dim to zero-pad q/k/v to when `backend` cannot take v.shape[-1] != q.shape[-1], else None."""
+    if not backend.same_head_dim or v.shape[-1] == q.shape[-1]:
+        return None
+    return max(q.shape[-1], v.shape[-1])
+
+
+def pad_head_dim(x: Tensor, d: int) -> Tensor:
+    """x with zero columns appended to the last dim up to d (x itself when it already has d)."""
+    return x if x.shape[-1] == d else torch.nn.functional.pad(x, (0, d - x.shape[-1]))
+
+
 def block_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, backend: Backend,
                   mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """One block. causal masks bottom-right aligned (square blocks: the usual diagonal). lse is fp32/fp64."""
-    return backend.forward(q, k, v, causal, scale, mask)
+    """One block. causal masks bottom-right aligned (square blocks: the usual diagonal). lse is fp32/fp64.
+    out has v's head dim (padded for backends that need one head dim, module docstring)."""
+    d = _padded_dim(backend, q, v)
+    if d is None:
+        return backend.forward(q, k, v, causal, scale, mask)
+    out, lse = backend.forward(pad_head_dim(q, d), pad_head_dim(k, d), pad_head_dim(v, d), causal, scale, mask)
+    return out[..., : v.shape[-1]].contiguous(), lse  # contiguous: merge may keep it as the running accumulator
 
 
 def block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool,
                    scale: float, backend: Backend, mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of one block given the final out and lse; dk/dv come back with h_kv heads."""
-    return backend.backward(dout, q, k, v, out, lse, causal, scale, mask)
+    """Gradients of one block given the final out and lse; dk/dv come back with h_kv heads, dv with v's head dim."""
+    d = _padded_dim(backend, q, v)
+    if d is None:
+        return backend.backward(dout, q, k, v, out, lse, causal, scale, mask)
+    dq, dk, dv = backend.backward(*(pad_head_dim(t, d) for t in (dout, q, k, v, out)), lse, causal, scale, mask)
+    dqk = q.shape[-1]
+    return dq[..., :dqk], dk[..., :dqk], dv[..., : v.shape[-1]]
 
 
 def merge(acc_out: Optional[Tensor], acc_lse: Optional[Tensor], out: Tensor,

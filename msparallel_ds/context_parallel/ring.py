@@ -1,7 +1,8 @@
 """Ring attention: K/V blocks travel around the cp_ring group while the current block is computed.
 
-Inputs are this rank's zigzag shard (sharding.py with R = group size, U = 1): q [b, h, s, d], k/v [b, h_kv, s, d],
-local chunks (r, 2R-1-r), each s/2 tokens. Only the h_kv heads travel, K and V packed into one buffer.
+Inputs are this rank's zigzag shard (sharding.py with R = group size, U = 1): q [b, h, s, d], k [b, h_kv, s, d],
+v [b, h_kv, s, d_v] (d_v may differ, DeepSeek MLA), local chunks (r, 2R-1-r), each s/2 tokens. Only the h_kv heads
+travel, K and V packed flat into one buffer (pack_kv), so every step is one send whatever the head dims.
 Causal zigzag, block from src at rank r (half = s/2):
     src == r: causal diagonal on the whole local segment (its positions increase)
     src <  r: all local queries vs the FIRST half of src's K/V; its second half is in the future: never computed
@@ -49,12 +50,27 @@ def _wait(reqs: Optional[list]) -> None:
         r.wait()
 
 
+def pack_kv(k: Tensor, v: Tensor) -> Tensor:
+    """k and v flattened into one contiguous 1-D buffer: one collective moves both, whatever their head dims."""
+    buf = torch.empty(k.numel() + v.numel(), dtype=k.dtype, device=k.device)
+    kb, vb = unpack_kv(buf, k.shape, v.shape)
+    kb.copy_(k)  # one copy each, also from non-contiguous (HF-layout) views
+    vb.copy_(v)
+    return buf
+
+
+def unpack_kv(buf: Tensor, k_shape: torch.Size, v_shape: torch.Size) -> tuple[Tensor, Tensor]:
+    """Contiguous views (k, v) of a pack_kv buffer (or of one of the same size in another dtype)."""
+    n = k_shape.numel()
+    return buf[:n].view(k_shape), buf[n:].view(v_shape)
+
+
 def _check(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
-        raise ValueError(f"context-parallel attention wants q [b, h, s, d] and k, v [b, h_kv, s, d] of one shape; got "
-                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"context-parallel attention wants q [b, h, s, d], k [b, h_kv, s, d] and v [b, h_kv, s, d_v]; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must share b, s, d, and h must be a "
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share b, s, d, and h must be a "
                          f"multiple of h_kv")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
@@ -83,7 +99,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal, scale, backend):
         ring = _Ring(group)
         R, r = ring.size, ring.rank
-        kv = torch.stack([k, v]).contiguous()  # one buffer: one send per step
+        kv = pack_kv(k, v)  # one buffer: one send per step
         out = lse = reqs = nxt = None
         for step in range(R):
             src = (r - step) % R
@@ -93,7 +109,8 @@ class _RingAttention(torch.autograd.Function):
             if step < R - 1:  # next block in flight while this one is computed
                 nxt = torch.empty_like(kv)
                 reqs = ring.exchange(kv, nxt, _TAG_KV)
-            out, lse = forward_step(q, kv[0], kv[1], src, r, out, lse, causal=causal, scale=scale, backend=backend)
+            out, lse = forward_step(q, *unpack_kv(kv, k.shape, v.shape), src, r, out, lse, causal=causal, scale=scale,
+                                    backend=backend)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.causal, ctx.scale, ctx.backend = ring, causal, scale, backend
@@ -109,7 +126,7 @@ class _RingAttention(torch.autograd.Function):
         if causal:  # the half-query blocks need the matching halves of the final out/lse/dout (views, no copies)
             q_hi, out_hi, lse_hi, dout_hi = (t[:, :, half:] for t in (q, out, lse, dout))
         dq = None  # step 0 is always the own (full) block: its dq becomes the fp32 accumulator
-        kv = torch.stack([k, v]).contiguous()
+        kv = pack_kv(k, v)
         kv_reqs = dkv_reqs = nxt = dkv_in = None
         for step in range(R):
             src = (r - step) % R
@@ -119,7 +136,7 @@ class _RingAttention(torch.autograd.Function):
             if step < R - 1:
                 nxt = torch.empty_like(kv)
                 kv_reqs = ring.exchange(kv, nxt, _TAG_KV)
-            kb, vb = kv[0], kv[1]
+            kb, vb = unpack_kv(kv, k.shape, v.shape)
             if not causal or src == r:
                 g = block_backward(dout, q, kb, vb, out, lse, causal=causal, scale=scale, backend=backend)
                 dq = g[0].to(acc) if dq is None else dq.add_(g[0])
@@ -138,22 +155,24 @@ class _RingAttention(torch.autograd.Function):
                 dkv = dkv_in
             else:
                 dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-            dkv[0, :, :, kv_part] += g[1]
-            dkv[1, :, :, kv_part] += g[2]
+            dkb, dvb = unpack_kv(dkv, k.shape, v.shape)
+            dkb[:, :, kv_part] += g[1]
+            dvb[:, :, kv_part] += g[2]
             if R > 1:  # after R hops each block's sum reaches its owner
                 dkv_out, dkv_in = dkv, torch.empty_like(dkv)  # dkv_out stays referenced until its send is waited
                 dkv_reqs = ring.exchange(dkv_out, dkv_in, _TAG_DKV)
         if R > 1:
             _wait(dkv_reqs)
             dkv = dkv_in
-        dk, dv = dkv[0], dkv[1]
+        dk, dv = unpack_kv(dkv, k.shape, v.shape)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup], *, causal: bool,
                    scale: Optional[float] = None, backend: Optional[str | Backend] = None) -> Tensor:
     """Attention of this rank's zigzag-sharded q over the whole sequence's k/v, passed around `group` (the cp_ring
-    group). q [b, h, s_local, d], k/v [b, h_kv, s_local, d] -> [b, h, s_local, d] in q.dtype."""
+    group). q [b, h, s_local, d], k [b, h_kv, s_local, d], v [b, h_kv, s_local, d_v] -> [b, h, s_local, d_v] in
+    q.dtype; scale defaults to 1/sqrt(d)."""
     _check(q, k, v, causal)
     if scale is None:
         scale = q.shape[-1] ** -0.5

@@ -74,7 +74,8 @@ class _PackedAttention(torch.autograd.Function):
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
                     backend: Union[None, str, Backend] = None) -> Tensor:
-    """Plain attention on this rank's tensors ([b, h, s, d], k/v with h_kv heads) through the block kernels."""
+    """Plain attention on this rank's tensors ([b, h, s, d], k/v with h_kv heads, v with its own head dim) through
+    the block kernels."""
     return _LocalAttention.apply(q, k, v, causal, scale, resolve_backend(backend, q))
 
 
@@ -130,8 +131,9 @@ def ulysses_wrap(q: Tensor, k: Tensor, v: Tensor, group, inner: Callable[[Tensor
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group, *, causal: bool, scale: float,
                       backend: Union[None, str, Backend] = None, doc_ids: Optional[Tensor] = None) -> Tensor:
-    """q [b, h, s_local, d], k/v [b, h_kv, s_local, d]: this rank's contiguous sequence piece (rank order) over
-    `group`. Returns [b, h, s_local, d]. Autograd flows through both all-to-alls and the block kernels.
+    """q [b, h, s_local, d], k [b, h_kv, s_local, d], v [b, h_kv, s_local, d_v]: this rank's contiguous sequence
+    piece (rank order) over `group`. Returns [b, h, s_local, d_v]. Autograd flows through both all-to-alls and the
+    block kernels.
     doc_ids [b, s_local]: this piece's document ids (non-decreasing along the full row): document-causal attention."""
     be = resolve_backend(backend, q)
     if doc_ids is None:

@@ -12,14 +12,16 @@ from typing import Any
 from torch import nn
 
 from .base import DecoderAdapter, InterleavedLayers, LayerParts
+from .deepseek import DeepseekV3Family
 from .llama import LlamaFamily
 from .moe import MoEFamily
 from .stage import StageModule
 
-__all__ = ["ADAPTERS", "DecoderAdapter", "InterleavedLayers", "LayerParts", "MoEFamily", "StageModule",
+__all__ = ["ADAPTERS", "DecoderAdapter", "DeepseekV3Family", "InterleavedLayers", "LayerParts", "MoEFamily",
+           "StageModule",
            "SUPPORTED_ARCHITECTURES", "adapter_for", "adapter_for_config"]
 
-ADAPTERS: tuple[DecoderAdapter, ...] = (LlamaFamily(), MoEFamily())
+ADAPTERS: tuple[DecoderAdapter, ...] = (LlamaFamily(), MoEFamily(), DeepseekV3Family())
 SUPPORTED_ARCHITECTURES = tuple(a for adapter in ADAPTERS for a in adapter.architectures)
 
 

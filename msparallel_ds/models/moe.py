@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from torch import nn
+from torch import Tensor, nn
 
 from .base import LayerParts
 from .llama import LlamaFamily
@@ -23,7 +23,8 @@ __all__ = ["MoEFamily"]
 
 # submodules of a MoE block that are replicated over tp (everything but the routed experts)
 _REPLICATED_IN_BLOCK = ("gate", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
-                        "shared_expert_gate")
+                        "shared_expert_gate", "shared_experts.gate_proj", "shared_experts.up_proj",
+                        "shared_experts.down_proj")  # Qwen2-MoE's shared_expert(_gate), DeepSeek's shared_experts
 
 
 class MoEFamily(LlamaFamily):
@@ -68,6 +69,11 @@ class MoEFamily(LlamaFamily):
     def router_of(self, layer: nn.Module) -> Optional[nn.Module]:
         """The layer's router (returns router_logits, routing weights, top-k indices), or None on a dense layer."""
         return layer.mlp.gate if self.experts_of(layer) is not None else None
+
+    @staticmethod
+    def expert_bias_of(router: nn.Module) -> Optional[Tensor]:
+        """The router's expert-choice bias buffer (aux-loss-free balancing; DeepSeek-V3), or None."""
+        return getattr(router, "e_score_correction_bias", None)
 
     def ep_plan(self, config: Any) -> dict[str, str]:
         """Module pattern -> style for expert parallel: the routed experts of every MoE layer."""

@@ -1,5 +1,5 @@
 """The MoE part of a Plan (pure arithmetic): the expert-data-parallel size, notes on what MindFormers' MoE keys mean
-here, and the parameters a rank holds per pipeline stage once experts are counted (memory.py).
+here, and the parameters a rank holds per pipeline stage, experts and MTP layers counted (memory.py).
 
 Layout (MindFormers mcore / Megatron-Core, for both YAML spellings): inside a pipeline stage the dp x cp x tp ranks
 are cut into expert-parallel groups of `ep` consecutive ranks; each holds num_experts / ep whole experts, and the
@@ -8,9 +8,10 @@ gradients are reduced and ZeRO shards expert optimizer state.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from ..config.errors import ConfigError, ConfigIssue
+from ..model_params import dense_layer, moe_layer, mtp_extra
 
 if TYPE_CHECKING:
     from ..config.schema import ParallelConfig
@@ -75,32 +76,41 @@ def moe_notes(cfg: "ParallelConfig", mesh: "Mesh") -> list[str]:
     return notes
 
 
-def stage_layer_kinds(counts: list[list[int]], dense: int) -> list[tuple[int, int]]:
-    """Per pipeline stage: (dense layers, MoE layers), the first `dense` layers of the model being dense. counts is
-    Plan.layers_per_stage, [virtual chunk][stage], chunks placed in order (chunk-major)."""
-    out = [[0, 0] for _ in counts[0]]
+def stage_layer_kinds(plan: "Plan") -> list[tuple[int, int, int]]:
+    """Per pipeline stage: (dense layers, MoE layers, MTP layers). Plan.layers_per_stage is [virtual chunk][stage],
+    chunks placed in order (chunk-major); the first first_k_dense_replace layers are dense (all of them without an
+    expert count). MTP layers follow the split of config.schema.ParallelConfig.pipeline_layers: the legacy models
+    split them with the decoder layers (the last mtp_depth of the split), mcore adds them to the last stage."""
+    cfg, s = plan.config, plan.moe
+    n, mtp = cfg.model.num_layers, cfg.model.mtp_depth
+    counts = plan.layers_per_stage or [[cfg.pipeline_layers]]
+    dense = s.dense_layers if s is not None and s.num_experts else n
+    out = [[0, 0, 0] for _ in counts[0]]
     start = 0
     for row in counts:
         for j, c in enumerate(row):
-            d = max(0, min(start + c, dense) - start)
+            main = max(0, min(start + c, n) - start)
+            d = max(0, min(start + main, dense) - start)
             out[j][0] += d
-            out[j][1] += c - d
+            out[j][1] += main - d
+            out[j][2] += c - main
             start += c
-    return [(d, e) for d, e in out]
+    if not cfg.use_legacy:
+        out[-1][2] += mtp
+    return [(d, e, k) for d, e, k in out]
 
 
-def stage_params(plan: "Plan", per_layer: int, ffn: int) -> Optional[list[tuple[int, int]]]:
-    """Per pipeline stage: (parameters a rank holds outside the routed experts, routed-expert parameters), or None
-    for a dense model (or when the YAML sets no expert count). Dense layers and the attention, norms and shared
-    experts of MoE layers split over tp like a dense feed-forward; the router (experts x hidden) is replicated;
-    each rank holds num_experts / ep whole routed experts (3 x hidden x expert size each, SwiGLU)."""
-    s, m = plan.moe, plan.config.model
-    if s is None or not s.num_experts or not plan.layers_per_stage:
-        return None
-    h, t = m.hidden_size, plan.mesh.tp
-    attention = per_layer - 3 * h * ffn
-    dense_layer = per_layer // t
-    moe_layer = (attention + 3 * h * s.shared_size(ffn)) // t + s.num_experts * h
-    expert_layer = s.num_experts // plan.expert_parallel * 3 * h * s.expert_size(ffn)
-    return [(d * dense_layer + e * moe_layer, e * expert_layer)
-            for d, e in stage_layer_kinds(plan.layers_per_stage, s.dense_layers)]
+def stage_params(plan: "Plan") -> list[tuple[int, int]]:
+    """Per pipeline stage: (parameters a rank holds in its decoder and MTP layers outside the routed experts,
+    routed-expert parameters); model_params.py counts each layer, with num_experts / ep whole routed experts per
+    rank. An MTP layer's decoder is of the model's last layer kind. The embedding and head are memory.py's."""
+    cfg, s, t = plan.config, plan.moe, plan.mesh.tp
+    dense = dense_layer(cfg).per_rank(t)
+    moe = experts = 0
+    if s is not None and s.num_experts:
+        rest, experts = moe_layer(cfg, s, plan.expert_parallel)
+        moe = rest.per_rank(t)
+    last_moe = bool(experts) and cfg.model.num_layers > s.dense_layers
+    mtp = mtp_extra(cfg.model).per_rank(t) + (moe if last_moe else dense)
+    mtp_experts = experts if last_moe else 0
+    return [(d * dense + e * moe + k * mtp, e * experts + k * mtp_experts) for d, e, k in stage_layer_kinds(plan)]

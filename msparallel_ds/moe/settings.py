@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 EP_KEY = "parallel_config.expert_parallel"
 HF_EXPERT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts")
+DEFAULT_BIAS_UPDATE_RATE = 1e-3
 _PREFIX = {"moe_config": "moe_config.", "model_config": "model.model_config."}
 
 
@@ -33,8 +34,7 @@ class MoESettings:
     moe_intermediate_size: Optional[int]
     first_k_dense_replace: Optional[int]
     norm_topk_prob: Optional[bool]
-    expert_bias: bool                  # moe_router_enable_expert_bias / balance_via_topk_bias (recorded;
-                                       # DeepSeek issue)
+    expert_bias: bool                  # moe_router_enable_expert_bias / balance_via_topk_bias (moe.expert_bias)
     bias_update_rate: Optional[float]
     expert_model_parallel: Optional[int]  # legacy only
     # (field, YAML key path as written) for messages; not part of the settings' value
@@ -46,6 +46,11 @@ class MoESettings:
     def key(self, name: str) -> str:
         """The YAML key path the user wrote for field `name` (e.g. model.model_config.n_routed_experts)."""
         return dict(self.keys).get(name, _PREFIX.get(self.source, "") + name)
+
+    @property
+    def bias_update_rate_or_default(self) -> float:
+        """The expert-bias update rate; MindFormers' and Megatron-Core's default 1e-3 when the YAML leaves it out."""
+        return DEFAULT_BIAS_UPDATE_RATE if self.bias_update_rate is None else float(self.bias_update_rate)
 
     @property
     def dense_layers(self) -> int:

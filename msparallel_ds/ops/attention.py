@@ -5,7 +5,9 @@ Layout (ops/ring_attn.h): q, out, dout [b, h, s_q, d]; k, v [b, h_kv, s_k, d] (G
 repeated); lse, delta, m, l [b, h, s_q] fp32. Any strides with a contiguous last dim are accepted; 16-bit operands
 whose pointer or strides do not suit the kernels' 16-byte copies are made contiguous here (a copy), while the
 fp32 buffers updated in place (state, dq, dk, dv) must already suit them (they are checked, never copied, since a
-copy would lose the update). fp16 / bf16 inputs, head dim 64 or 128, sm_80 or newer; `supports` tells.
+copy would lose the update). fp16 / bf16 inputs, head dim 64 or 128, sm_80 or newer; `supports` tells. k and v
+share a head dim: callers with another value head dim (DeepSeek MLA) zero-pad v to it and slice the output
+(context_parallel.kernels does).
 """
 from __future__ import annotations
 

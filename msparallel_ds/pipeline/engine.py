@@ -225,6 +225,10 @@ class PipelineEngine:
         check_finite_step(self.global_steps, grad_norm=self._sync_and_clip())  # before the update
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        forwards = self.plan.micro_batch_num * self.plan.micro_batch_interleave_num
+        for record in self._records:  # aux-loss-free balancing (the schedule's shape-inference pass excluded)
+            if record.expert_bias is not None:
+                record.expert_bias.update(last=forwards)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_steps += 1

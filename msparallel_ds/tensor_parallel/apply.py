@@ -11,6 +11,8 @@ styles, never a model's module names:
 |--------------------------------|--------------------------------------------------------------------------------|
 | colwise                        | nn.Linear -> ColumnParallelLinear (output features split, stays split)         |
 | rowwise                        | nn.Linear -> RowParallelLinear (input is a column layer's split output)        |
+| colwise_gathered               | colwise whose input its block already gathered (SP) or copied (copy_input):    |
+|                                | no input collective here (MLA's up projections after replicated down ones)     |
 | colwise_kv_replicated          | key/value projection when tp > kv heads: each rank keeps the kv head its query |
 |                                | heads use; the full weight is kept and its grad all-reduced over tp            |
 | replicated_with_grad_allreduce | weights replicated, grads partial per rank: summed over tp (Qwen3's q/k norms) |
@@ -21,6 +23,8 @@ styles, never a model's module names:
 | sequence_gather_input          | (SP) attention / MLP block: all-gathers hidden_states once for its colwise     |
 |                                | layers (backward reduce-scatters); its rowwise layer reduce-scatters back      |
 | sequence_gather_input_replicated | (SP) replicated output head: all-gathers its input (backward keeps this slice) |
+| copy_input                     | (no SP) a block whose inner layers take partial grads: identity forward, its   |
+|                                | input grad all-reduced once in backward (Megatron's f, for the whole block)    |
 
 Parameters are cut by the shard spec (tensor_parallel/spec.py), which derives from the same styles. The adapter
 then sets the attention modules' local head counts. On a whole model, vocab parallel also replaces the model's
@@ -44,7 +48,7 @@ from ..distributed.collectives import all_reduce
 from ..labels import IGNORE_INDEX
 from ..models import DecoderAdapter, adapter_for
 from .layers import ColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear
-from .mappings import gather_from_region, gather_from_sequence_region, scatter_to_region
+from .mappings import copy_to_region, gather_from_region, gather_from_sequence_region, scatter_to_region
 from .spec import compile_pattern, style_of
 from .vocab import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
 
@@ -53,9 +57,9 @@ if TYPE_CHECKING:
 
 __all__ = ["STYLES", "apply_tp", "grad_allreduce", "tp_parallelize", "tp_plan", "vocab_parallel_causal_lm_loss"]
 
-STYLES = ("colwise", "rowwise", "colwise_kv_replicated", "replicated_with_grad_allreduce", "vocab_embedding",
+STYLES = ("colwise", "rowwise", "colwise_gathered", "colwise_kv_replicated", "replicated_with_grad_allreduce", "vocab_embedding",
           "vocab_lm_head", "sequence_parallel", "sequence_scatter_input", "sequence_gather_input",
-          "sequence_gather_input_replicated")
+          "sequence_gather_input_replicated", "copy_input")
 SEQ_DIM = 1  # HF hidden states are [batch, seq, hidden]
 
 
@@ -96,8 +100,8 @@ def _replacement(name: str, style: str, module: nn.Module, group, sp: bool, n_kv
     if type(module) is not expected:
         raise TypeError(f"tp plan: {name} ({type(module).__name__}) matched style {style!r}, which expects "
                         f"{expected.__name__}")
-    if style == "colwise":
-        return ColumnParallelLinear.from_linear(module, group, input_is_gathered=sp)
+    if style in ("colwise", "colwise_gathered"):
+        return ColumnParallelLinear.from_linear(module, group, input_is_gathered=sp or style == "colwise_gathered")
     if style == "rowwise":
         return RowParallelLinear.from_linear(module, group, input_is_parallel=True, sequence_parallel=sp)
     if style == "colwise_kv_replicated":
@@ -131,6 +135,8 @@ def apply_tp(part: nn.Module, layout: ParallelLayout, adapter: DecoderAdapter, p
             _map_hidden_input(module, lambda x: gather_from_sequence_region(x, group, SEQ_DIM))
         elif style == "sequence_gather_input_replicated":
             _map_hidden_input(module, lambda x: gather_from_region(x, group, SEQ_DIM))
+        elif style == "copy_input":
+            _map_hidden_input(module, lambda x: copy_to_region(x, group))
         else:
             _set(part, name, _replacement(name, style, module, group, sp, n_kv))
     if not matched:

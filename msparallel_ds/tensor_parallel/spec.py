@@ -9,7 +9,7 @@ so a parameter's layout is decided once, by the style its module has in the TP o
 
 | style                  | weight          | bias            |
 |------------------------|-----------------|-----------------|
-| colwise                | split, dim 0    | split, dim 0    |
+| colwise(_gathered)     | split, dim 0    | split, dim 0    |
 | rowwise                | split, dim 1    | replicated      |
 | vocab_embedding        | vocab, dim 0    | -               |
 | vocab_lm_head          | vocab, dim 0    | vocab, dim 0    |
@@ -87,6 +87,7 @@ _SPLIT0, _SPLIT1, _VOCAB0, _KV = Shard(0, "split"), Shard(1, "split"), Shard(0, 
 # TP plan style -> {parameter attribute -> Shard}; a style or attribute not listed is replicated
 STYLE_PARAM_SHARDS: dict[str, dict[str, Shard]] = {
     "colwise": {"weight": _SPLIT0, "bias": _SPLIT0},
+    "colwise_gathered": {"weight": _SPLIT0, "bias": _SPLIT0},
     "rowwise": {"weight": _SPLIT1, "bias": REPLICATED},
     "vocab_embedding": {"weight": _VOCAB0},
     "vocab_lm_head": {"weight": _VOCAB0, "bias": _VOCAB0},
