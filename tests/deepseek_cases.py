@@ -84,25 +84,53 @@ def _lm_and_mtp_losses(model, ids, labels, depth):
     return lm, losses
 
 
-def deepseek_reference(steps, rows, clip=1.0, bias_rate=None, mtp=None):
+def _seq_aux_terms(model, rows, coeff):
+    """MindFormers' sequence aux loss for a sigmoid router, written per row (one row = one shard in the layouts
+    tested): P = sigmoid scores normalised over the experts, f = choices / (k x tokens), coeff x E x sum_e P_e f_e,
+    mean over rows and summed over MoE layers."""
+    import torch
+
+    terms = []
+
+    def hook(router, args, out):
+        logits, _, index = out
+        e = logits.shape[-1]
+        scores = torch.sigmoid(logits.float().view(rows, -1, e))
+        probs = (scores / (scores.sum(-1, keepdim=True) + 1e-20)).mean(1)
+        f = torch.stack([torch.bincount(r, minlength=e).float() / r.numel() for r in index.view(rows, -1)])
+        terms.append(coeff * e * (probs * f).sum(-1).mean())
+        return out
+
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.register_forward_hook(hook)
+    return terms
+
+
+def deepseek_reference(steps, rows, clip=1.0, bias_rate=None, mtp=None, aux=0.0, **overrides):
     """Single process on the whole global batch: HF loss, AdamW, clip_grad_norm_, and with `bias_rate` the
     aux-loss-free balancing update after each step (bias += rate * sign(mean load - load), loads of the whole
     global batch); `mtp` = (depth, scale): the MTP losses added (scale / depth x their sum). Returns (LM losses,
-    state, norms, mean MTP cross-entropies)."""
+    state, norms, mean MTP cross-entropies, aux losses); `aux`: the sequence aux loss coefficient (per row)."""
     import torch
 
-    model = deepseek_model(mtp=mtp[0] if mtp else 0)
+    model = deepseek_model(mtp=mtp[0] if mtp else 0, **overrides)
     counts = _count_choices(model) if bias_rate else {}
+    terms = _seq_aux_terms(model, rows, aux) if aux else []
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
-    losses, norms, mtp_values = [], [], []
+    losses, norms, mtp_values, aux_values = [], [], [], []
     for step in range(steps):
         ids, labels = global_batch(step, rows)
         if mtp:
             lm, extra = _lm_and_mtp_losses(model, ids, labels, mtp[0])
-            mtp_values.append(float(sum(extra)) / mtp[0])
+            mtp_values.append(float(sum(extra).detach()) / mtp[0])
             loss = lm + mtp[1] / mtp[0] * sum(extra)
         else:
             loss = lm = model(input_ids=ids, labels=labels).loss
+        if terms:
+            aux_values.append(float(sum(terms).detach()))
+            loss = loss + sum(terms)
+            terms.clear()
         opt.zero_grad()
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))))
@@ -113,4 +141,4 @@ def deepseek_reference(steps, rows, clip=1.0, bias_rate=None, mtp=None):
                 model.get_submodule(name).e_score_correction_bias.add_(torch.sign(load.mean() - load) * bias_rate)
         counts.clear()
         losses.append(lm.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, mtp_values
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, mtp_values, aux_values

@@ -32,6 +32,7 @@ _MTP_PARTS = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
 class DeepseekV3Family(MoEFamily):
     architectures = ("DeepseekV3ForCausalLM",)
     model_types = ("deepseek_v3",)
+    router_score = "sigmoid"  # the aux loss's probabilities: sigmoid scores normalised over the experts
     mindformers_names = {  # + MindFormers' MLA cell names (legacy deepseek3 / mcore MultiLatentAttention)
         **MoEFamily.mindformers_names,
         "self_attn.q_a_proj": ["attention.q2l_proj", "self_attention.linear_q_down_proj"],

@@ -70,7 +70,8 @@ def apply_ep(part: nn.Module, layout: ParallelLayout, adapter: Optional[DecoderA
     aux_loss = None
     if aux and (aux.get("coeff") or aux.get("z_coeff")):
         config = part.config
-        aux_loss = AuxLoss(layout, adapter.num_experts(config), config.num_experts_per_tok, **aux)
+        aux_loss = AuxLoss(layout, adapter.num_experts(config), config.num_experts_per_tok,
+                           score=getattr(adapter, "router_score", "softmax"), **aux)
         install_aux_loss(part, adapter, aux_loss)
     return (plan if ep > 1 else {}), aux_loss
 

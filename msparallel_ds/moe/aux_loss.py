@@ -3,7 +3,8 @@
 MindFormers 2.1 (parallel_core/training_graph/transformer/moe/router.py `_expert_load_balancing`), per MoE layer and
 micro-batch, over "shards" (the tokens one rank's router sees: its rows' sequence slice under cp / sequence parallel):
 
-    P_e = mean over the shard's tokens of softmax(router_logits)_e        (differentiable)
+    P_e = mean over the shard's tokens of softmax(router_logits)_e        (differentiable; a sigmoid router, DeepSeek-V3:
+          its sigmoid scores normalised to sum 1 over the experts, MindFormers router.py `_normalize`, eps 1e-20)
     f_e = (choices routed to e) / (top_k x the shard's tokens)            (no gradient)
     aux = coeff x E x mean over shards of sum_e P_e x f_e
 
@@ -66,6 +67,7 @@ class AuxLoss:
     z_coeff: float = 0.0
     scale: float = 1.0
     routers: int = 0  # MoE layers hooked (install_aux_loss)
+    score: str = "softmax"  # the router's score function: "softmax" | "sigmoid"
 
     def __post_init__(self):
         if self.scope not in SCOPES:
@@ -86,7 +88,11 @@ class AuxLoss:
         total = logits.new_zeros((), dtype=torch.float32)
         logits = logits.reshape(-1, logits.shape[-1]).float()
         if self.coeff:
-            probs = torch.softmax(logits, dim=-1).mean(0)
+            if self.score == "sigmoid":
+                scores = torch.sigmoid(logits)
+                probs = (scores / (scores.sum(-1, keepdim=True) + 1e-20)).mean(0)
+            else:
+                probs = torch.softmax(logits, dim=-1).mean(0)
             with torch.no_grad():
                 f = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts)[: self.num_experts].float()
                 f /= max(top_k_index.numel(), 1)
