@@ -1,7 +1,7 @@
 """Tiny mixture-of-experts models (built from HF configs, no download) and their single-process reference run, for
 the expert-parallel parity tests (test_moe.py). Routers get larger initial weights than HF's default (zeros in
 some families) so the top-k choice varies from token to token and every expert sees traffic."""
-from engine_cases import BETAS, EPS, LR, SEQ, VOCAB, global_batch
+from engine_cases import BETAS, EPS, LR, SEQ, VOCAB, global_batch, tiny_config
 
 KINDS = ("qwen3_moe", "mixtral", "qwen2_moe")
 
@@ -34,6 +34,44 @@ def moe_model(kind="qwen3_moe", layers=2):
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)
     return model.float()
+
+
+def ep_yaml(ep=1, pp=1, moe=None, clip=0.05, **kw):
+    """tiny_config with parallel_config.expert_parallel, MoE keys into model_config, and pipeline_stage (1F1B over 4
+    micro-batches) when pp > 1."""
+    y = tiny_config(clip=clip, **kw)
+    y["parallel_config"]["expert_parallel"] = ep
+    y["model"]["model_config"].update(moe or {})
+    if pp > 1:
+        y["parallel_config"].update(pipeline_stage=pp, micro_batch_num=4)
+        y["parallel"]["pipeline_config"] = {"pipeline_interleave": False, "pipeline_scheduler": "1f1b"}
+    return y
+
+
+def adamw(params):
+    import torch
+
+    return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+
+def accelerate_steps(yaml, model, steps):
+    """An HF-style loop under MindFormersAccelerator (prepare, loss, backward, step) on 4 rows of the global batch,
+    one per dp rank; returns (prepared model, reduced losses, DeepSpeed's gradient norms)."""
+    from msparallel_ds.integrations.accelerate import MindFormersAccelerator
+
+    accelerator = MindFormersAccelerator(yaml)
+    model, optimizer = accelerator.prepare(model, adamw(model.parameters()))
+    losses, norms = [], []
+    for step in range(steps):
+        ids, labels = global_batch(step, 4)
+        d = accelerator.layout.rank("dp")
+        loss = model(input_ids=ids[d:d + 1], labels=labels[d:d + 1]).loss  # equal token counts: mean of means
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(accelerator.reduce_loss(loss).item())
+        norms.append(float(model.get_global_grad_norm()))
+    return model, losses, norms
 
 
 def drop_by_capacity(index, weights, num_experts, factor, policy):

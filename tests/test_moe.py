@@ -7,9 +7,10 @@ Each rank must hold 1/ep of the expert weights. Several layouts share one spawne
 pytest process once per (model, global batch).
 """
 import pytest
-from engine_cases import global_batch, tiny_config
+from engine_cases import global_batch
 from harness import run_distributed
-from moe_cases import moe_model, moe_reference
+from moe_cases import adamw as _adamw
+from moe_cases import accelerate_steps, ep_yaml, moe_model, moe_reference
 
 pytestmark = pytest.mark.distributed
 
@@ -59,21 +60,10 @@ def _moe_keys(moe):
 
 
 def moe_yaml(ep=1, pp=1, moe=None, **kw):
-    """tiny_config with parallel_config.expert_parallel (and pipeline_stage, and MoE keys when given) added."""
-    y = tiny_config(clip=CLIP, **kw)
-    y["parallel_config"]["expert_parallel"] = ep
+    """ep_yaml for the 2-layer tiny MoE models."""
+    y = ep_yaml(ep=ep, pp=pp, moe=moe, clip=CLIP, **kw)
     y["model"]["model_config"]["num_layers"] = 2
-    y["model"]["model_config"].update(moe or {})
-    if pp > 1:
-        y["parallel_config"].update(pipeline_stage=pp, micro_batch_num=4)
-        y["parallel"]["pipeline_config"] = {"pipeline_interleave": False, "pipeline_scheduler": "1f1b"}
     return y
-
-
-def _adamw(params):
-    import torch
-
-    return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
 
 def _rows(engine):
@@ -256,22 +246,7 @@ def test_mindformers_select_patterns_name_moe_parts():
 
 def _accelerate_moe(rank, world_size):
     """HF-style loop under MindFormersAccelerator (accelerate + DeepSpeed ZeRO-2) with dp4 x ep2."""
-    from msparallel_ds.integrations.accelerate import MindFormersAccelerator
-
-    accelerator = MindFormersAccelerator(moe_yaml(dp=4, zero=2, ep=2))
-    model = moe_model()
-    optimizer = _adamw(model.parameters())
-    model, optimizer = accelerator.prepare(model, optimizer)
-    losses, norms = [], []
-    for step in range(STEPS):
-        ids, labels = global_batch(step, 4)
-        d = accelerator.layout.rank("dp")
-        loss = model(input_ids=ids[d:d + 1], labels=labels[d:d + 1]).loss  # equal token counts: mean of means
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(accelerator.reduce_loss(loss).item())
-        norms.append(float(model.get_global_grad_norm()))
+    model, losses, norms = accelerate_steps(moe_yaml(dp=4, zero=2, ep=2), moe_model(), STEPS)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     return {"losses": losses, "norms": norms, "experts": experts}
 
