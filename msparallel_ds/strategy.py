@@ -254,3 +254,18 @@ def parallelize(model: nn.Module, layout: ParallelLayout, *, sequence_parallel: 
                                   **overrides)
     _APPLIED[model] = parallelize_part(model, layout, options)
     return model
+
+
+def prepare_user_loop(model: nn.Module, optimizer) -> None:
+    """A parallelized model trained by the user's own loop (accelerate, the Trainer): the expert-bias update runs after
+    each optimizer step (a step post-hook); multi-token prediction needs the engine's loss, so it is refused here."""
+    applied = applied_to(model)
+    if applied.mtp is not None:
+        raise ValueError(f"model.model_config.mtp_depth={applied.mtp.depth}: the multi-token-prediction loss is added "
+                         "by msp.initialize's engine (train_batch), not by the HF loss accelerate and the Trainer "
+                         "back-propagate; train with msp.initialize, or set mtp_depth: 0")
+    if applied.expert_bias is not None:
+        if optimizer is None:
+            raise ValueError("the router expert bias (moe_router_enable_expert_bias / balance_via_topk_bias) is updated "
+                             "after each optimizer step: pass the optimizer to prepare() with the model")
+        optimizer.register_step_post_hook(lambda *_: applied.expert_bias.update())

@@ -55,10 +55,11 @@ def _count_choices(model):
     return counts
 
 
-def _lm_and_mtp_losses(model, ids, labels, depth):
-    """The LM loss and MindFormers mcore's MTP losses written plainly, from one decoder forward: per depth k,
+def _lm_and_mtp_losses(model, ids, labels, depth, legacy=False):
+    """The LM loss and MindFormers' MTP losses written plainly, from one decoder forward: per depth k,
     [enorm(embed(ids << k)), hnorm(h)] -> eh_proj -> the MTP decoder layer -> shared_head.norm -> lm_head, token-mean
-    cross-entropy against labels shifted by k + 1; h starts as the decoder output after the final norm."""
+    cross-entropy against labels shifted by k + 1; h starts as the decoder output after the final norm (mcore), or
+    before it with the halves swapped, [hnorm(h), enorm(embed)] (legacy)."""
     import torch
     import torch.nn.functional as F
     from transformers.masking_utils import create_causal_mask
@@ -69,16 +70,21 @@ def _lm_and_mtp_losses(model, ids, labels, depth):
     base = model.model
     n = model.config.num_hidden_layers
     pos = torch.arange(ids.shape[1]).unsqueeze(0)
+    before_norm = []
+    hook = base.norm.register_forward_hook(lambda m, args, out: before_norm.append(args[0]))
     h = base(input_ids=ids).last_hidden_state
+    hook.remove()
     lm = ce(h, torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1))
     mask = create_causal_mask(config=model.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
                               position_ids=pos)
     rope = base.rotary_emb(h, pos)
+    h = before_norm[0] if legacy else h
     losses = []
     for k in range(1, depth + 1):
         layer = base.layers[n + k - 1]
         shifted = torch.cat([ids[:, k:], torch.zeros_like(ids[:, :k])], 1)
-        x = layer.eh_proj(torch.cat([layer.enorm(base.embed_tokens(shifted)), layer.hnorm(h)], -1))
+        e, hn = layer.enorm(base.embed_tokens(shifted)), layer.hnorm(h)
+        x = layer.eh_proj(torch.cat([hn, e] if legacy else [e, hn], -1))
         h = layer.shared_head.norm(layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rope))
         losses.append(ce(h, torch.cat([labels[:, k + 1:], torch.full_like(labels[:, :k + 1], -100)], 1)))
     return lm, losses
@@ -110,7 +116,7 @@ def _seq_aux_terms(model, rows, coeff):
 def deepseek_reference(steps, rows, clip=1.0, bias_rate=None, mtp=None, aux=0.0, **overrides):
     """Single process on the whole global batch: HF loss, AdamW, clip_grad_norm_, and with `bias_rate` the
     aux-loss-free balancing update after each step (bias += rate * sign(mean load - load), loads of the whole
-    global batch); `mtp` = (depth, scale): the MTP losses added (scale / depth x their sum). Returns (LM losses,
+    global batch); `mtp` = (depth, scale[, legacy]): the MTP losses added (scale / depth x their sum). Returns (LM losses,
     state, norms, mean MTP cross-entropies, aux losses); `aux`: the sequence aux loss coefficient (per row)."""
     import torch
 
@@ -122,7 +128,7 @@ def deepseek_reference(steps, rows, clip=1.0, bias_rate=None, mtp=None, aux=0.0,
     for step in range(steps):
         ids, labels = global_batch(step, rows)
         if mtp:
-            lm, extra = _lm_and_mtp_losses(model, ids, labels, mtp[0])
+            lm, extra = _lm_and_mtp_losses(model, ids, labels, mtp[0], legacy=len(mtp) > 2 and mtp[2])
             mtp_values.append(float(sum(extra).detach()) / mtp[0])
             loss = lm + mtp[1] / mtp[0] * sum(extra)
         else:

@@ -26,20 +26,23 @@ LAYOUTS = {  # name -> tiny_config kwargs + ep / pp / mtp / MoE keys
     "dp4_ep4_mtp": dict(dp=4, zero=1, ep=4, mtp=1),
     "dp2xtp2_sp_ep2_mtp_bias": dict(dp=2, tp=2, sp=True, zero=2, ep=2, mtp=1, moe=BIAS),
     "dp2xcp2_ulysses_ep2_mtp": dict(dp=2, cp=2, algo="ulysses_cp", zero=1, ep=2, mtp=1),
+    "dp4_ep2_mtp_legacy": dict(dp=4, zero=1, ep=2, mtp=1, legacy=True),
     "pp2xdp2_ep2_bias": dict(dp=2, zero=0, ep=2, pp=2, moe=BIAS),
     "dp4_ep2_seq_aux_bias_recompute": dict(dp=4, zero=0, ep=2, recompute=True, moe=dict(
         moe_aux_loss_coeff=AUX, moe_router_load_balancing_type="seq_aux_loss", **BIAS)),
 }
 GROUPS = {"a": ["dp4_ep4", "dp2xtp2_sp_ep2", "dp2xcp2_ring_ep2", "pp2xdp2_ep2", "dense_dp2xtp2_no_sp"],
           "b": ["dp4_ep4_mtp", "dp2xtp2_sp_ep2_mtp_bias", "dp2xcp2_ulysses_ep2_mtp", "pp2xdp2_ep2_bias",
-                "dp4_ep2_seq_aux_bias_recompute"]}
+                "dp4_ep2_seq_aux_bias_recompute", "dp4_ep2_mtp_legacy"]}
 DENSE = dict(first_k_dense_replace=4)  # every layer dense: MLA alone (MoE with tp > 1 requires sequence parallel)
 
 
-def ds_yaml(mtp=0, dense=False, **kw):
-    """ep_yaml plus MTP in MindFormers 2.x (mcore) spellings when asked (`dense` concerns the model, not the YAML)."""
+def ds_yaml(mtp=0, legacy=False, dense=False, **kw):
+    """ep_yaml plus MTP in MindFormers 2.x (mcore) spellings, or the legacy ones (`dense`: the model, not the YAML)."""
     y = ep_yaml(clip=CLIP, **kw)
-    if mtp:
+    if mtp and legacy:
+        y["model"]["model_config"].update(mtp_depth=mtp, mtp_loss_factor=MTP_SCALE)
+    elif mtp:
         y["use_legacy"] = False
         y["model"]["model_config"].update(mtp_num_layers=mtp, mtp_loss_scaling_factor=MTP_SCALE)
     return y
@@ -89,10 +92,10 @@ def _reference(name, rows):
     kw = LAYOUTS[name]
     moe = kw.get("moe") or {}
     key = (rows, kw.get("mtp", 0), bool(moe.get("moe_router_enable_expert_bias")), moe.get("moe_aux_loss_coeff", 0.0),
-           bool(kw.get("dense")))
+           bool(kw.get("dense")), bool(kw.get("legacy")))
     if key not in _REFS:
         _REFS[key] = deepseek_reference(STEPS, rows, clip=CLIP, bias_rate=RATE if key[2] else None,
-                                        mtp=(key[1], MTP_SCALE) if key[1] else None, aux=key[3],
+                                        mtp=(key[1], MTP_SCALE, key[5]) if key[1] else None, aux=key[3],
                                         **(DENSE if kw.get("dense") else {}))
     return _REFS[key]
 
@@ -166,14 +169,14 @@ def _accelerate_bias(rank, world_size):
     """HF-style loop under MindFormersAccelerator (DeepSpeed ZeRO-2) with dp4 x ep2 and the expert-bias update; then
     an MTP YAML, which this path refuses."""
     import msparallel_ds as msp
-    from msparallel_ds.integrations.accelerate import _check_moe_extras
+    from msparallel_ds.strategy import prepare_user_loop
 
     model, losses, _ = accelerate_steps(ds_yaml(dp=4, zero=2, ep=2, moe=BIAS), deepseek_model(), STEPS)
     bias = next(b for n, b in model.named_buffers() if n.endswith("layers.1.mlp.gate.e_score_correction_bias")).clone()
     mtp_model = deepseek_model(mtp=1)  # what prepare() checks right after parallelizing (one Accelerator per process)
     msp.parallelize(mtp_model, msp.init_parallel(msp.load_config(ds_yaml(dp=4, zero=2, ep=2, mtp=1))))
     try:
-        _check_moe_extras(mtp_model, None)
+        prepare_user_loop(mtp_model, None)
         refused = None
     except ValueError as e:
         refused = str(e)

@@ -131,23 +131,6 @@ def _deepspeed_initialize_with(mpu):
         deepspeed.initialize = original
 
 
-def _check_moe_extras(model: nn.Module, optimizer) -> None:
-    """DeepSeek-V3's extras under accelerate / the Trainer: the expert-bias update runs after each optimizer step (a
-    step post-hook); multi-token prediction needs the engine's loss, so it is refused here."""
-    from ..strategy import applied_to
-
-    applied = applied_to(model)
-    if applied.mtp is not None:
-        raise ValueError(f"model.model_config.mtp_depth={applied.mtp.depth}: the multi-token-prediction loss is added "
-                         "by msp.initialize's engine (train_batch), not by the HF loss accelerate and the Trainer "
-                         "back-propagate; train with msp.initialize, or set mtp_depth: 0")
-    if applied.expert_bias is not None:
-        if optimizer is None:
-            raise ValueError("the router expert bias (moe_router_enable_expert_bias / balance_via_topk_bias) is updated "
-                             "after each optimizer step: pass the optimizer to prepare() with the model")
-        optimizer.register_step_post_hook(lambda *_: applied.expert_bias.update())
-
-
 def _repoint_optimizer(optimizer: torch.optim.Optimizer, names_before: dict[int, str], model: nn.Module) -> None:
     """Swap the optimizer's parameters for the parallelized model's, by name, in place (accelerate does the same
     for XLA and TransformerEngine): class, param groups, hyperparameters and schedulers built on it are kept."""
@@ -392,14 +375,14 @@ class MindFormersAccelerator(Accelerator):
         from torch.optim.lr_scheduler import LRScheduler
 
         from .. import runtime
-        from ..strategy import parallelize
+        from ..strategy import parallelize, prepare_user_loop
 
         models = [a for a in args if isinstance(a, nn.Module)]
         if models:
             model = runtime.cpu_float32(models[0], self.layout, self.plan)  # in place: the optimizer stays valid
             names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
             parallelize(model, self.layout)
-            _check_moe_extras(model, next((a for a in args if isinstance(a, torch.optim.Optimizer)), None))
+            prepare_user_loop(model, next((a for a in args if isinstance(a, torch.optim.Optimizer)), None))
             if self.layout.size("cp") > 1:
                 _install_cp_batch_hooks(model, self.layout)
             for obj in args:
