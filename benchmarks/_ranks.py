@@ -1,12 +1,15 @@
 """Run one benchmark variant on `world` local processes (forked after the heavy imports on CPU, spawned on CUDA):
-each calls target(rank, world, port, *args, out) and puts (rank, ok, payload) on `out`. Shared by train.py and
-moe.py so they start, collect and clean up their rank groups the same way."""
+each runs target(rank, world, *args) with the torch.distributed env set; its return value (or traceback) comes
+back, and its process group is destroyed. Shared by train.py and moe.py so they start, collect and clean up their
+rank groups the same way."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import socket
 import time
+import traceback
 
 
 def free_port() -> int:
@@ -15,13 +18,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _entry(target, rank: int, world: int, port: int, args: tuple, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    try:
+        payload = target(rank, world, *args)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        out.put((rank, True, payload))
+    except BaseException:  # noqa: BLE001  reported to the parent, which records it
+        out.put((rank, False, traceback.format_exc()))
+
+
 def run_ranks(target, world: int, args: tuple, *, timeout: float, spawn: bool = False, name: str = "bench"):
     """(per-rank results in rank order, None) or (None, {"error": last line, "traceback": text}); plus wall seconds.
     A rank's error or a dead rank stops the others within 5 s; a hang stops at `timeout`."""
     ctx = mp.get_context("spawn" if spawn else "fork")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, out), name=f"{name}-rank{r}")
+    procs = [ctx.Process(target=_entry, args=(target, r, world, port, args, out), name=f"{name}-rank{r}")
              for r in range(world)]
     t_start = time.monotonic()
     for p in procs:

@@ -34,7 +34,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -162,74 +161,68 @@ def _engine(name: str, model, args: dict, rank: int):
     return step, mean_loss, module, experts, ep_rank
 
 
-def _rank_main(rank: int, world: int, port: int, name: str, args: dict, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    try:
-        import logging
-        import warnings
+def _rank_main(rank: int, world: int, name: str, args: dict) -> dict:
+    """One rank of variant `name` (run by _ranks.run_ranks, which sets the env, reports and cleans up)."""
+    import logging
+    import warnings
 
-        import deepspeed.ops
-        import torch
-        import torch.distributed as dist
-        import transformers
-        from deepspeed.utils import logger as ds_logger
+    import deepspeed.ops
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from deepspeed.utils import logger as ds_logger
 
-        from msparallel_ds.distributed import instruments
+    from msparallel_ds.distributed import instruments
 
-        ds_logger.setLevel(logging.WARNING)
-        transformers.utils.logging.disable_progress_bar()
-        warnings.filterwarnings("ignore")
-        torch.set_num_threads(args["threads"])
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # inference-only op, a minute of compiling
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=args["timeout"]))
-        if name.startswith("ds") and args["autoep_shim"]:  # AutoEP calls get(str_key, default); 5.23 takes a model
-            from transformers.utils.output_capturing import _CanRecordRegistry as reg
+    ds_logger.setLevel(logging.WARNING)
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args["threads"])
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # inference-only op, a minute of compiling
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=args["timeout"]))
+    if name.startswith("ds") and args["autoep_shim"]:  # AutoEP calls get(str_key, default); 5.23 takes a model
+        from transformers.utils.output_capturing import _CanRecordRegistry as reg
 
-            reg.get = lambda self, key, default=None: dict.get(self, key if isinstance(key, str) else str(type(key)),
-                                                               default)
-        ids = torch.randint(0, args["vocab"], (args["global_batch"], args["seq"]),
-                            generator=torch.Generator().manual_seed(1234))  # one fixed global batch, every step
-        if name.startswith("hf"):
-            hf_cfg = transformers.distributed.DistributedConfig(fsdp_size=world, ep_size=_ep(name))
-            model = transformers.Qwen3MoeForCausalLM.from_pretrained(args["ckpt"], dtype=torch.float32,
-                                                                     distributed_config=hf_cfg)
-        else:
-            model = _model(args)
-        base = next(int(ln.split()[1]) / 1024 for ln in Path("/proc/self/status").read_text().splitlines()
-                    if ln.startswith("VmRSS:"))  # MiB resident after the model is built
-        step, global_loss, module, experts, ep_rank = _engine(name, model, args, rank)
-        wire, e_all = {"tokens": 0, "counts": 0, "off_rank_rows": 0}, args["experts"]
-        _count_a2a(wire)
+        reg.get = lambda self, key, default=None: dict.get(self, key if isinstance(key, str) else str(type(key)),
+                                                           default)
+    ids = torch.randint(0, args["vocab"], (args["global_batch"], args["seq"]),
+                        generator=torch.Generator().manual_seed(1234))  # one fixed global batch, every step
+    if name.startswith("hf"):
+        hf_cfg = transformers.distributed.DistributedConfig(fsdp_size=world, ep_size=_ep(name))
+        model = transformers.Qwen3MoeForCausalLM.from_pretrained(args["ckpt"], dtype=torch.float32,
+                                                                 distributed_config=hf_cfg)
+    else:
+        model = _model(args)
+    base = next(int(ln.split()[1]) / 1024 for ln in Path("/proc/self/status").read_text().splitlines()
+                if ln.startswith("VmRSS:"))  # MiB resident after the model is built
+    step, global_loss, module, experts, ep_rank = _engine(name, model, args, rank)
+    wire, e_all = {"tokens": 0, "counts": 0, "off_rank_rows": 0}, args["experts"]
+    _count_a2a(wire)
 
-        def route_hook(module, a, kw):  # the (token, choice) pairs whose expert lives on another ep rank
-            idx = a[1] if len(a) > 1 else kw["top_k_index"]
-            wire["off_rank_rows"] += int((idx[idx < e_all] // (e_all // _ep(name)) != ep_rank).sum())
+    def route_hook(module, a, kw):  # the (token, choice) pairs whose expert lives on another ep rank
+        idx = a[1] if len(a) > 1 else kw["top_k_index"]
+        wire["off_rank_rows"] += int((idx[idx < e_all] // (e_all // _ep(name)) != ep_rank).sum())
 
-        for m in experts:
-            m.register_forward_pre_hook(route_hook, with_kwargs=True)
-        rec = {k: [] for k in ("times_s", "cpu_s", "losses", "instr_bytes", "wire_bytes", "count_bytes", "exact_bytes")}
-        for i in range(args["warmup"] + args["steps"]):
-            wire.update(dict.fromkeys(wire, 0))
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            with instruments.comm_stats() as st:
-                loss = step(ids)
-            t, c = time.perf_counter() - t0, time.process_time() - c0
-            rec["losses"].append(global_loss(loss))
-            if i >= args["warmup"]:
-                for k, v in (("times_s", t), ("cpu_s", c), ("instr_bytes", st["bus_bytes"]),
-                             ("wire_bytes", wire["tokens"]), ("count_bytes", wire["counts"]),
-                             ("exact_bytes", 4 * wire["off_rank_rows"] * args["hidden"] * 4)):
-                    rec[k].append(v)
-        ex = [p.to_local() if hasattr(p, "to_local") else p for n, p in module.named_parameters() if "expert" in n]
-        rec.update(peak_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, base_mib=base,
-                   expert_mib=sum(p.numel() * p.element_size() for p in ex) / 2**20, has_route_hook=bool(experts))
-        dist.destroy_process_group()
-        out.put((rank, True, rec))
-    except BaseException:  # noqa: BLE001  reported to the parent, which records it
-        out.put((rank, False, traceback.format_exc()))
-
+    for m in experts:
+        m.register_forward_pre_hook(route_hook, with_kwargs=True)
+    rec = {k: [] for k in ("times_s", "cpu_s", "losses", "instr_bytes", "wire_bytes", "count_bytes", "exact_bytes")}
+    for i in range(args["warmup"] + args["steps"]):
+        wire.update(dict.fromkeys(wire, 0))
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        with instruments.comm_stats() as st:
+            loss = step(ids)
+        t, c = time.perf_counter() - t0, time.process_time() - c0
+        rec["losses"].append(global_loss(loss))
+        if i >= args["warmup"]:
+            for k, v in (("times_s", t), ("cpu_s", c), ("instr_bytes", st["bus_bytes"]),
+                         ("wire_bytes", wire["tokens"]), ("count_bytes", wire["counts"]),
+                         ("exact_bytes", 4 * wire["off_rank_rows"] * args["hidden"] * 4)):
+                rec[k].append(v)
+    ex = [p.to_local() if hasattr(p, "to_local") else p for n, p in module.named_parameters() if "expert" in n]
+    rec.update(peak_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, base_mib=base,
+               expert_mib=sum(p.numel() * p.element_size() for p in ex) / 2**20, has_route_hook=bool(experts))
+    return rec
 
 def _run_group(name: str, args: dict) -> dict:
     """One variant on `world` forked processes; per-step results, or {"error": last line, "traceback": ...}."""

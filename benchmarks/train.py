@@ -45,7 +45,6 @@ import resource
 import statistics
 import sys
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -186,68 +185,62 @@ def _msp_engine(model, args, lay):
     return step, lambda loss: loss.item(), eng.ds.config
 
 
-def _rank_main(rank: int, world: int, port: int, name: str, args: dict, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+def _rank_main(rank: int, world: int, name: str, args: dict) -> dict:
+    """One rank of variant `name` (run by _ranks.run_ranks, which sets the env, reports and cleans up)."""
     marks = {"start": time.perf_counter()}
-    try:
-        import logging
-        import warnings
+    import logging
+    import warnings
 
-        import deepspeed.ops
-        import torch
-        import torch.distributed as dist
-        from deepspeed.utils import logger as ds_logger
+    import deepspeed.ops
+    import torch
+    import torch.distributed as dist
+    from deepspeed.utils import logger as ds_logger
 
-        ds_logger.setLevel(logging.WARNING)
-        warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated")
-        torch.set_num_threads(args["threads"])
-        cuda = args["device"] == "cuda"
+    ds_logger.setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated")
+    torch.set_num_threads(args["threads"])
+    cuda = args["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    else:  # the shm op only serves inference all-reduce; building it costs a minute of C++ compilation
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=args["timeout"]))
+    marks["pg"] = time.perf_counter()
+    lay = _layout(name, world, args["tp"])
+    batches = _batches(args)
+    model = _model(args)
+    if cuda:
+        model.to(device)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    else:
+        base = _rss_mib()
+    marks["model"] = time.perf_counter()
+    if name.startswith("ds_"):
+        step, global_loss, ds_cfg = _deepspeed_engine(model, args, lay, args["zero"], device)
+    else:
+        step, global_loss, ds_cfg = _msp_engine(model, args, lay)
+    marks["engine"] = time.perf_counter()
+    times, cpu_times, losses = [], [], []
+    for i, ids in enumerate(batches):
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = step(ids)
         if cuda:
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        else:  # the shm op only serves inference all-reduce; building it costs a minute of C++ compilation
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=args["timeout"]))
-        marks["pg"] = time.perf_counter()
-        lay = _layout(name, world, args["tp"])
-        batches = _batches(args)
-        model = _model(args)
-        if cuda:
-            model.to(device)
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated() / 2**20
-        else:
-            base = _rss_mib()
-        marks["model"] = time.perf_counter()
-        if name.startswith("ds_"):
-            step, global_loss, ds_cfg = _deepspeed_engine(model, args, lay, args["zero"], device)
-        else:
-            step, global_loss, ds_cfg = _msp_engine(model, args, lay)
-        marks["engine"] = time.perf_counter()
-        times, cpu_times, losses = [], [], []
-        for i, ids in enumerate(batches):
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            loss = step(ids)
-            if cuda:
-                torch.cuda.synchronize()
-            if i >= args["warmup"]:
-                times.append(time.perf_counter() - t0)
-                cpu_times.append(time.process_time() - c0)
-            losses.append(global_loss(loss))
-        marks["steps"] = time.perf_counter()
-        peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _peak_rss_mib()
-        keys = list(marks)
-        res = {"phases_s": {k: marks[k] - marks[p] for p, k in itertools.pairwise(keys)}, "times_s": times,
-               "cpu_times_s": cpu_times, "losses": losses, "peak_mib": peak, "base_mib": base,
-               "ds_config": json.loads(json.dumps(ds_cfg, default=str)) if rank == 0 else None}
-        dist.destroy_process_group()
-        out.put((rank, True, res))
-    except BaseException:  # noqa: BLE001  reported to the parent, which records it
-        out.put((rank, False, traceback.format_exc()))
-
+            torch.cuda.synchronize()
+        if i >= args["warmup"]:
+            times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
+        losses.append(global_loss(loss))
+    marks["steps"] = time.perf_counter()
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _peak_rss_mib()
+    keys = list(marks)
+    res = {"phases_s": {k: marks[k] - marks[p] for p, k in itertools.pairwise(keys)}, "times_s": times,
+           "cpu_times_s": cpu_times, "losses": losses, "peak_mib": peak, "base_mib": base,
+           "ds_config": json.loads(json.dumps(ds_cfg, default=str)) if rank == 0 else None}
+    return res
 
 def _run_group(name: str, args: dict) -> dict:
     """One variant on `world` processes; returns per-rank results or {"error": ...}."""
