@@ -34,9 +34,10 @@ import torch
 from torch import Tensor, nn
 
 from . import runtime
+from .context_parallel.batch import inputs_and_targets
 from .distributed.collectives import sum_over
 from .distributed.layout import ParallelLayout
-from .loss import check_batch, check_finite_step, global_token_count, grads_norm_flag, token_loss_sum
+from .loss import check_batch, check_finite_step, global_token_counts, grads_norm_flag, token_loss_sum
 from .strategy import Applied
 
 __all__ = ["Engine", "initialize"]
@@ -88,11 +89,6 @@ class Engine:
                      else v) for k, v in batch.items()}
         return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in micro.items()}
 
-    def _micro_inputs(self, batch: Mapping[str, Any], rows: slice) -> tuple[dict, Tensor]:
-        from .context_parallel.batch import inputs_and_targets
-
-        return inputs_and_targets(self._micro(batch, rows), self.layout)
-
     def _token_loss_sum(self, logits: Tensor, targets: Tensor) -> Tensor:
         return token_loss_sum(logits, targets, self.applied.output_head(self.model))
 
@@ -102,9 +98,10 @@ class Engine:
 
         ids, labels = self._check_batch(batch)
         dp = self.layout.size("dp")
-        n_tokens = global_token_count(labels, self.layout, self.device)
-        mtp = self.applied.mtp
-        mtp_counts = mtp.token_counts(labels, self.layout, self.device) if mtp is not None else []
+        mtp = self.applied.mtp  # each MTP depth's token count joins the LM's in one all-reduce
+        counts = global_token_counts([labels, *(mtp.shifted_labels(labels) if mtp is not None else [])], self.layout,
+                                     self.device)
+        n_tokens, mtp_counts = counts[0], counts[1:]
         mtp_total = torch.zeros(len(mtp_counts), dtype=torch.float32, device=self.device)
         self.model.train()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -112,8 +109,9 @@ class Engine:
         summed_copies = interleave is not None and interleave.copy_loss == "sum"  # MindSpore's (interleave.multi_copy)
         for m in range(self.gradient_accumulation_steps):
             rows = slice(m * self.micro_batch_size, (m + 1) * self.micro_batch_size)
-            inputs, targets = self._micro_inputs(batch, rows)
-            mtp_targets = mtp.prepare(self._micro(batch, rows), self.layout) if mtp is not None else []
+            micro = self._micro(batch, rows)
+            inputs, targets = inputs_and_targets(micro, self.layout)
+            mtp_targets = mtp.prepare(micro, self.layout) if mtp is not None else []
             out = self.ds(**inputs, use_cache=False)
             logits = out.logits if hasattr(out, "logits") else out[0]
             if summed_copies:
@@ -139,7 +137,7 @@ class Engine:
         self._after_step()
         self._log_aux_loss()
         if mtp is not None:  # each depth's global token-mean cross-entropy, averaged over depths
-            self.last_mtp_loss = float((sum_over(self.layout, "dp_cp", mtp_total) / torch.stack(mtp_counts)).mean())
+            self.last_mtp_loss = float((sum_over(self.layout, "dp_cp", mtp_total) / mtp_counts).mean())
         if self.applied.expert_bias is not None:  # aux-loss-free balancing: after the step, from its global loads
             self.applied.expert_bias.update()
         self.global_steps += 1

@@ -7,7 +7,7 @@ ignored labels weigh tokens exactly as one process would.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import math
 
@@ -20,7 +20,8 @@ from .labels import IGNORE_INDEX, shift_labels
 from .distributed.collectives import sum_over
 from .distributed.layout import ParallelLayout
 
-__all__ = ["check_batch", "check_finite_step", "global_token_count", "grads_norm_flag", "token_loss_sum"]
+__all__ = ["check_batch", "check_finite_step", "global_token_count", "global_token_counts", "grads_norm_flag",
+           "token_loss_sum"]
 
 
 def check_batch(batch: Mapping[str, Any], engine, accumulation_key: str) -> tuple[Tensor, Tensor]:
@@ -157,8 +158,13 @@ def _disagreement(dim: str, rows: list[list[int]], ranks: tuple[int, ...]) -> st
 def global_token_count(labels: Tensor, layout: ParallelLayout, device) -> Tensor:
     """Valid (shifted, not ignored) tokens of the global batch from this dp rank's labels, at least 1, fp32; tp
     and cp peers of a dp rank hold the same rows, so the sum runs over dp only."""
-    count = (shift_labels(labels) != IGNORE_INDEX).sum().to(torch.float32).to(device)
-    return sum_over(layout, "dp", count).clamp_min(1.0)
+    return global_token_counts([labels], layout, device)[0]
+
+
+def global_token_counts(labels: Sequence[Tensor], layout: ParallelLayout, device) -> Tensor:
+    """global_token_count of several label tensors (e.g. the LM's and each MTP depth's) with one all-reduce."""
+    counts = torch.stack([(shift_labels(t) != IGNORE_INDEX).sum() for t in labels]).to(torch.float32).to(device)
+    return sum_over(layout, "dp", counts).clamp_min(1.0)
 
 
 def token_loss_sum(logits: Tensor, targets: Tensor, head: Optional[nn.Module]) -> Tensor:

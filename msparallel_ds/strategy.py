@@ -75,11 +75,12 @@ class Options:
         aux = (None if moe is None else
                {"coeff": moe.aux_loss_coeff, "scope": moe.aux_loss_scope, "z_coeff": moe.z_loss_coeff})
         bias = None if moe is None or not moe.expert_bias else moe.bias_update_rate_or_default
-        model = getattr(getattr(plan, "config", None), "model", None)
-        mtp = dict(mtp_depth=model.mtp_depth, mtp_scale=float(model.mtp_loss_factor if model.mtp_loss_factor
-                                                                is not None else DEFAULT_MTP_SCALE),
-                   mtp_legacy=plan.config.use_legacy) if model is not None and model.mtp_depth else {}
-        return cls(capacity=capacity, aux_loss=aux, expert_bias_rate=bias, **mtp, sequence_parallel=bool(get("sequence_parallel", False)),
+        model, mtp = getattr(getattr(plan, "config", None), "model", None), {}
+        if model is not None and model.mtp_depth:
+            scale = DEFAULT_MTP_SCALE if model.mtp_loss_factor is None else float(model.mtp_loss_factor)
+            mtp = dict(mtp_depth=model.mtp_depth, mtp_scale=scale, mtp_legacy=plan.config.use_legacy)
+        return cls(capacity=capacity, aux_loss=aux, expert_bias_rate=bias, **mtp,
+                   sequence_parallel=bool(get("sequence_parallel", False)),
                    vocab_parallel=bool(get("vocab_parallel", False)), cp_algo=get("cp_algo", None),
                    recompute=get("recompute", None), activation_offload=get("activation_offload", None),
                    interleave=Interleave(get("micro_batch_interleave_num", 1), get("fine_grain_interleave", 1)))
@@ -266,6 +267,6 @@ def prepare_user_loop(model: nn.Module, optimizer) -> None:
                          "back-propagate; train with msp.initialize, or set mtp_depth: 0")
     if applied.expert_bias is not None:
         if optimizer is None:
-            raise ValueError("the router expert bias (moe_router_enable_expert_bias / balance_via_topk_bias) is updated "
-                             "after each optimizer step: pass the optimizer to prepare() with the model")
+            raise ValueError("the router expert bias (moe_router_enable_expert_bias / balance_via_topk_bias) is "
+                             "updated after each optimizer step: pass the optimizer to prepare() with the model")
         optimizer.register_step_post_hook(lambda *_: applied.expert_bias.update())

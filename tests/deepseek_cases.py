@@ -116,8 +116,8 @@ def _seq_aux_terms(model, rows, coeff):
 def deepseek_reference(steps, rows, clip=1.0, bias_rate=None, mtp=None, aux=0.0, **overrides):
     """Single process on the whole global batch: HF loss, AdamW, clip_grad_norm_, and with `bias_rate` the
     aux-loss-free balancing update after each step (bias += rate * sign(mean load - load), loads of the whole
-    global batch); `mtp` = (depth, scale[, legacy]): the MTP losses added (scale / depth x their sum). Returns (LM losses,
-    state, norms, mean MTP cross-entropies, aux losses); `aux`: the sequence aux loss coefficient (per row)."""
+    global batch); `mtp` = (depth, scale[, legacy]): the MTP losses added (scale / depth x their sum); `aux`: the
+    sequence aux loss coefficient (per row). Returns (LM losses, state, norms, mean MTP cross-entropies, aux losses)."""
     import torch
 
     model = deepseek_model(mtp=mtp[0] if mtp else 0, **overrides)

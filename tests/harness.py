@@ -105,3 +105,12 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120, **kwargs) 
         raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout}s "
                            f"(hang or deadlock); they were killed")
     return [results[r] for r in range(world_size)]
+
+
+def worst_over_ranks(per_rank) -> dict:
+    """{case: errors} per rank -> {case: the elementwise max of its errors over the ranks} (a tuple)."""
+    worst: dict = {}
+    for res in per_rank:
+        for case, errs in res.items():
+            worst[case] = tuple(max(a, b) for a, b in zip(worst.get(case, errs), errs))
+    return worst

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness import run_distributed
+from harness import run_distributed, worst_over_ranks
 
 TOL = 1e-4
 B, H, D = 2, 8, 16
@@ -114,10 +114,7 @@ def _run(rank, world_size, cases, seq_len):
 
 
 def _check(per_rank):
-    worst = {}
-    for res in per_rank:
-        for case, errs in res.items():
-            worst[case] = tuple(max(a, b) for a, b in zip(worst.get(case, errs), errs))
+    worst = worst_over_ranks(per_rank)
     for case, errs in worst.items():
         print(f"{case}: max abs err out/dq/dk/dv/unsharded-out = " + " / ".join(f"{e:.2e}" for e in errs))
     bad = {c: e for c, e in worst.items() if max(e) > TOL}

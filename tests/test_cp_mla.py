@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness import run_distributed
+from harness import run_distributed, worst_over_ranks
 
 B, S, H, D_QK, D_V = 2, 32, 4, 24, 16
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -91,10 +91,7 @@ def _mla_cases(rank, world_size):
 
 @pytest.mark.distributed
 def test_all_algorithms_with_a_smaller_value_head_dim():
-    worst = {}
-    for errs in run_distributed(_mla_cases, 4, timeout=120):
-        for case, e in errs.items():
-            worst[case] = [max(a, b) for a, b in zip(worst.get(case, e), e)]
+    worst = worst_over_ranks(run_distributed(_mla_cases, 4, timeout=120))
     hf = worst.pop("hf backend")[0]
     print(f"HF backend (ring, [b, h, s, d] views, scaling=0.2): max abs err out = {hf:.2e}")
     for case, e in worst.items():

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness import run_distributed
+from harness import run_distributed, worst_over_ranks
 from models import tiny_llama
 
 TOL = 1e-4
@@ -144,10 +144,7 @@ def _run(rank, world_size):
 
 @pytest.mark.distributed
 def test_packed_sequences_match_block_diagonal_reference():
-    worst = {}
-    for res in run_distributed(_run, 4, timeout=300):
-        for case, e in res.items():
-            worst[case] = [max(a, b) for a, b in zip(worst.get(case, e), e)]
+    worst = worst_over_ranks(run_distributed(_run, 4, timeout=300))
     for case, e in sorted(worst.items(), key=str):
         print(f"{case}: max abs err " + " / ".join(f"{x:.2e}" for x in e))
     assert len(worst) == len(MESHES) * len(DOC_LENS) * 4 + 2

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import run_distributed
+from harness import run_distributed, worst_over_ranks
 
 B, H, D = 2, 8, 16
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
@@ -88,10 +88,7 @@ def _parity_all(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fp32_fp64_parity_with_full_sequence_attention(world_size):
     per_rank = run_distributed(_parity_all, world_size, timeout=240)
-    worst = {}
-    for errs in per_rank:
-        for case, e in errs.items():
-            worst[case] = [max(a, b) for a, b in zip(worst.get(case, e), e)]
+    worst = worst_over_ranks(per_rank)
     bad = {c: e for c, e in worst.items() if max(e) > TOL[getattr(torch, c[3].split(".")[1])]}
     for dt in ("torch.float32", "torch.float64"):
         print(f"world {world_size} {dt}: max abs error (out, dq, dk, dv) over all cases:",

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness import run_distributed
+from harness import run_distributed, worst_over_ranks
 
 TOL = 1e-4
 B, H, D = 2, 8, 16
@@ -100,10 +100,7 @@ def _run_cases(rank, world_size, meshes, seq_len):
 
 
 def _check(results_per_rank):
-    worst = {}
-    for res in results_per_rank:
-        for case, errs in res.items():
-            worst[case] = tuple(max(a, b) for a, b in zip(worst.get(case, errs), errs))
+    worst = worst_over_ranks(results_per_rank)
     for case, errs in sorted(worst.items(), key=str):
         print(f"{case}: max abs err out/dq/dk/dv = " + " / ".join(f"{e:.2e}" for e in errs))
     bad = {c: e for c, e in worst.items() if max(e) > TOL}

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness import run_distributed
+from harness import run_distributed, worst_over_ranks
 
 TOL = 1e-5
 DIMS = ("pp", "dp", "cp_ring", "cp_ulysses", "tp")
@@ -159,10 +159,7 @@ def _cases(rank, world_size):
 @pytest.mark.distributed
 def test_collectives_match_single_process_math():
     per_rank = run_distributed(_cases, 4, timeout=110)
-    worst = {}
-    for res in per_rank:
-        for case, errs in res.items():
-            worst[case] = tuple(max(a, b) for a, b in zip(worst.get(case, errs), errs))
+    worst = worst_over_ranks(per_rank)
     print(f"{len(worst)} cases; max abs err forward {max(e[0] for e in worst.values()):.2e}, "
           f"backward {max(e[1] for e in worst.values()):.2e}")
     bad = {c: e for c, e in worst.items() if max(e) > TOL}

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness import run_distributed
+from harness import run_distributed, worst_over_ranks
 
 TOL = 1e-5  # fp32; errors are relative where the reference exceeds 1 (see _err)
 DIMS = ("pp", "dp", "cp_ring", "cp_ulysses", "tp")
@@ -254,10 +254,7 @@ def _cases(rank, world_size):
 @pytest.mark.distributed
 def test_layers_match_unsharded_modules():
     per_rank = run_distributed(_cases, 4, timeout=110)
-    worst = {}
-    for res in per_rank:
-        for case, errs in res.items():
-            worst[case] = tuple(max(a, b) for a, b in zip(worst.get(case, errs), errs))
+    worst = worst_over_ranks(per_rank)
     for kind in ("mlp", "embedding", "ce", "lm_head"):
         errs = [e for c, e in worst.items() if c[1] == kind]
         print(f"{kind}: {len(errs)} cases, max abs err {max(max(e) for e in errs):.2e}")

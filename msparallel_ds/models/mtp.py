@@ -115,28 +115,24 @@ class MultiTokenPrediction:
         return output
 
     # ------------------------------------------------------------------------------------------ the engine's side
+    def shifted_labels(self, labels: Tensor) -> list[Tensor]:
+        """Depth k's labels: shifted left by k, the rolled-in tail ignored (the LM's shift then adds one more)."""
+        from ..labels import IGNORE_INDEX
+
+        return [shift_left(labels, k, IGNORE_INDEX) for k in range(1, self.depth + 1)]
+
     def prepare(self, micro: dict, layout) -> list[Tensor]:
         """Before a micro-batch's forward: queue depth k's shifted ids (this rank's cut of them) and return depth k's
         targets (labels shifted by k + 1, tail ignored), cut like the LM targets."""
         from ..context_parallel.batch import inputs_and_targets
-        from ..labels import IGNORE_INDEX
 
-        ids, labels = micro["input_ids"], micro.get("labels", micro["input_ids"])
+        ids = micro["input_ids"]
         self.pending_ids, targets = [], []
-        for k in range(1, self.depth + 1):
-            inputs, t = inputs_and_targets({"input_ids": shift_left(ids, k, 0),
-                                            "labels": shift_left(labels, k, IGNORE_INDEX)}, layout)
+        for k, labels in enumerate(self.shifted_labels(micro.get("labels", ids)), start=1):
+            inputs, t = inputs_and_targets({"input_ids": shift_left(ids, k, 0), "labels": labels}, layout)
             self.pending_ids.append(inputs["input_ids"])
             targets.append(t)
         return targets
-
-    def token_counts(self, labels: Tensor, layout, device) -> list[Tensor]:
-        """Each depth's valid targets in the global batch (this dp rank's labels; summed over dp)."""
-        from ..labels import IGNORE_INDEX
-        from ..loss import global_token_count
-
-        return [global_token_count(shift_left(labels, k, IGNORE_INDEX), layout, device)
-                for k in range(1, self.depth + 1)]
 
     def loss_sums(self, head: nn.Module, targets: list[Tensor]) -> list[Tensor]:
         """Each depth's summed token cross-entropy over this rank's tokens, from the last forward's outputs."""

@@ -3,8 +3,8 @@
 MindFormers 2.1 (parallel_core/training_graph/transformer/moe/router.py `_expert_load_balancing`), per MoE layer and
 micro-batch, over "shards" (the tokens one rank's router sees: its rows' sequence slice under cp / sequence parallel):
 
-    P_e = mean over the shard's tokens of softmax(router_logits)_e        (differentiable; a sigmoid router, DeepSeek-V3:
-          its sigmoid scores normalised to sum 1 over the experts, MindFormers router.py `_normalize`, eps 1e-20)
+    P_e = mean over the shard's tokens of softmax(router_logits)_e        (differentiable; a sigmoid router,
+          DeepSeek-V3: its sigmoid scores normalised to sum 1 over the experts, MindFormers router.py `_normalize`)
     f_e = (choices routed to e) / (top_k x the shard's tokens)            (no gradient)
     aux = coeff x E x mean over shards of sum_e P_e x f_e
 
@@ -35,9 +35,17 @@ from ..distributed.collectives import sum_over
 if TYPE_CHECKING:
     from ..distributed.layout import ParallelLayout
 
-__all__ = ["AuxLoss", "AuxLossScaler", "install_aux_loss"]
+__all__ = ["AuxLoss", "AuxLossScaler", "install_aux_loss", "trained_forward"]
 
 SCOPES = ("sub_sequence", "sequence", "global_batch")
+
+
+def trained_forward(router: nn.Module, output) -> bool:
+    """Whether a router forward (router_logits, weights, top-k indices) is a training forward on real values: not
+    eval, not under no_grad (a reentrant recompute's first pass), not shape-only (the pipeline schedule's first
+    step runs on meta / empty tensors)."""
+    logits = output[0]
+    return router.training and torch.is_grad_enabled() and logits.numel() > 0 and not logits.is_meta
 
 
 class AuxLossScaler(torch.autograd.Function):
@@ -107,11 +115,9 @@ class AuxLoss:
 
     def hook(self, router: nn.Module, args, output):
         """Forward hook on a HF router (returns router_logits, routing weights, top-k indices)."""
-        if not router.training or not torch.is_grad_enabled():
+        if not trained_forward(router, output):
             return output
         logits, weights, index = output
-        if logits.numel() == 0 or logits.is_meta:  # a shape-only forward (the pipeline schedule's first step)
-            return output
         return logits, AuxLossScaler.apply(weights, self.term(logits, index), self.scale, self.values), index
 
     def pop_total(self, last: Optional[int] = None) -> Tensor:

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..distributed.collectives import sum_over
+from .aux_loss import trained_forward
 
 if TYPE_CHECKING:
     from ..distributed.layout import ParallelLayout
@@ -53,11 +54,9 @@ class ExpertBias:
         self.routers.append((router, bias, sink))
 
         def hook(mod, args, output):
-            if not mod.training or not torch.is_grad_enabled():
+            if not trained_forward(mod, output):
                 return output
             logits, weights, index = output
-            if index.numel() == 0 or index.is_meta:  # a shape-only forward
-                return output
             counts = torch.bincount(index.reshape(-1), minlength=num_experts)[:num_experts]
             return logits, _CountOnBackward.apply(weights, counts, sink), index
 

@@ -192,13 +192,17 @@ class PipelineEngine:
             return clip_grad_norm_(params, clip, self.layout, device=self.device)
         return grads_norm_flag(params, self.device)  # no norm without clipping: nan if any gradient is not finite
 
+    @property
+    def _forwards(self) -> int:
+        """Real forwards per router and step: the schedule's shape-inference forward comes before them."""
+        return self.plan.micro_batch_num * self.plan.micro_batch_interleave_num
+
     def _log_aux_loss(self) -> None:
         """The routers' aux + z loss of the step (every rank's shares summed, averaged over micro-batches)."""
         losses = [r.aux_loss for r in self._records if r.aux_loss is not None]
         if not losses:
             return
-        forwards = self.plan.micro_batch_num * self.plan.micro_batch_interleave_num
-        t = sum(aux.pop_total(last=aux.routers * forwards).float().cpu() for aux in losses).to(self.device)
+        t = sum(aux.pop_total(last=aux.routers * self._forwards).float().cpu() for aux in losses).to(self.device)
         for name in ("dp_cp", "tp", "pp"):
             sum_over(self.layout, name, t)
         self.last_aux_loss = float(t) / self.plan.micro_batch_num
@@ -225,10 +229,9 @@ class PipelineEngine:
         check_finite_step(self.global_steps, grad_norm=self._sync_and_clip())  # before the update
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        forwards = self.plan.micro_batch_num * self.plan.micro_batch_interleave_num
         for record in self._records:  # aux-loss-free balancing (the schedule's shape-inference pass excluded)
             if record.expert_bias is not None:
-                record.expert_bias.update(last=forwards)
+                record.expert_bias.update(last=self._forwards)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_steps += 1

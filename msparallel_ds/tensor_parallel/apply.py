@@ -57,8 +57,8 @@ if TYPE_CHECKING:
 
 __all__ = ["STYLES", "apply_tp", "grad_allreduce", "tp_parallelize", "tp_plan", "vocab_parallel_causal_lm_loss"]
 
-STYLES = ("colwise", "rowwise", "colwise_gathered", "colwise_kv_replicated", "replicated_with_grad_allreduce", "vocab_embedding",
-          "vocab_lm_head", "sequence_parallel", "sequence_scatter_input", "sequence_gather_input",
+STYLES = ("colwise", "rowwise", "colwise_gathered", "colwise_kv_replicated", "replicated_with_grad_allreduce",
+          "vocab_embedding", "vocab_lm_head", "sequence_parallel", "sequence_scatter_input", "sequence_gather_input",
           "sequence_gather_input_replicated", "copy_input")
 SEQ_DIM = 1  # HF hidden states are [batch, seq, hidden]
 
