@@ -69,13 +69,14 @@ def _grads(engine, fgi):
     """Logits (this rank's shard) and every parameter's gradient for one micro-batch, loss = token mean, on a
     model parallelized for the engine's layout (plain autograd: DeepSpeed's ZeRO hooks stay out of it)."""
     import msparallel_ds as msp
+    from msparallel_ds.context_parallel.batch import inputs_and_targets
 
     model = msp.parallelize(tiny_model(), engine.layout)
     if fgi == 0:
         from msparallel_ds.interleave.multi_copy import install
 
         install(model, 1, 1)
-    inputs, targets = engine._micro_inputs(_share(engine, 99), slice(None))
+    inputs, targets = inputs_and_targets(engine._micro(_share(engine, 99), slice(None)), engine.layout)
     logits = model(**inputs, use_cache=False).logits
     (engine._token_loss_sum(logits, targets) / targets.numel()).backward()
     return logits.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters()}
