@@ -39,6 +39,25 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("dst", help="new folder for the converted checkpoint")
     c.add_argument("--to-config", required=True, help="MindFormers YAML of the run that will load it")
     c.add_argument("--timeout", type=float, default=600)
+    i = sub.add_parser("import-mindspore", help="MindSpore / MindFormers weights (.ckpt, .safetensors, per-rank "
+                                                "slices) -> a HF folder, or an engine.load checkpoint for a layout")
+    i.add_argument("src", help=".ckpt / .safetensors file, safetensors index, or a folder (rank_*/ slices)")
+    i.add_argument("dst", help="new folder to write")
+    i.add_argument("--config", required=True, help="the MindFormers YAML of the run that saved SRC (its model)")
+    i.add_argument("--strategy", default=None, help="strategy file or folder of sliced SRC (default: found next "
+                                                    "to the rank folders, MindFormers' output/strategy)")
+    i.add_argument("--to-layout", default=None, help="write engine.load's checkpoint sliced for this YAML instead")
+    i.add_argument("--legacy-fused-layout", choices=("interleaved", "concat"), default="interleaved",
+                   help="legacy w_qkv / w_gate_hidden: interleaved (MindFormers >= 1.6, 2.x) or concat (1.3)")
+    i.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="cast floating weights (default: keep the checkpoint's)")
+    x = sub.add_parser("export-mindspore", help="a HF folder -> one merged MindSpore checkpoint, MindFormers names")
+    x.add_argument("src", help="HF folder (config.json + safetensors)")
+    x.add_argument("dst", help="new .ckpt or .safetensors file")
+    x.add_argument("--config", required=True, help="the MindFormers YAML that will load it (legacy or mcore names)")
+    x.add_argument("--format", choices=("ckpt", "safetensors"), default=None, help="default: from DST's suffix")
+    x.add_argument("--legacy-fused-layout", choices=("interleaved", "concat"), default="interleaved")
+    x.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None)
     v = sub.add_parser("validate", help="check one or more YAMLs; one line per file")
     v.add_argument("files", nargs="+")
     v.add_argument("--world-size", type=int, default=None)
@@ -122,6 +141,42 @@ def _cmd_convert(args) -> int:
     return 0
 
 
+def _user_error(exc: BaseException) -> int:
+    """The user's paths, checkpoint or YAML: the message, no traceback, exit 2."""
+    text = str(exc).strip()
+    print(f"error: {text or type(exc).__name__}", file=sys.stderr)
+    return 2
+
+
+def _cmd_import(args) -> int:
+    from .checkpoint.mindformers import import_mindspore
+
+    try:
+        report = import_mindspore(args.src, args.dst, args.config, strategy=args.strategy, to_layout=args.to_layout,
+                                  legacy_fused_layout=args.legacy_fused_layout, dtype=args.dtype,
+                                  echo=lambda line: print(line, flush=True))
+    except (OSError, ValueError, KeyError) as exc:
+        return _user_error(exc)
+    what = f"engine.load checkpoint for {args.to_layout}" if args.to_layout else "HF folder"
+    print(f"imported {report['tensors']} tensors ({report['parameters']:,} parameters, "
+          f"{'legacy' if report['legacy'] else 'mcore'} {report['model_type']}) from {len(report['files'])} file(s) "
+          f"-> {what} {args.dst}; left out {len(report['dropped'])} non-weight entries (optimizer state, scalars)")
+    return 0
+
+
+def _cmd_export_ms(args) -> int:
+    from .checkpoint.mindformers import export_mindspore
+
+    fmt = args.format or ("safetensors" if args.dst.endswith(".safetensors") else "ckpt")
+    try:
+        report = export_mindspore(args.src, args.dst, args.config, fmt=fmt, dtype=args.dtype,
+                                  legacy_fused_layout=args.legacy_fused_layout)
+    except (OSError, ValueError, KeyError) as exc:
+        return _user_error(exc)
+    print(f"exported {report['tensors']} tensors ({report['parameters']:,} parameters) -> {args.dst} ({fmt})")
+    return 0
+
+
 def _cmd_validate(args) -> int:
     worst = 0
     for f in args.files:
@@ -148,7 +203,8 @@ def _cmd_validate(args) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"plan": _cmd_plan, "export": _cmd_export, "validate": _cmd_validate, "demo": _cmd_demo,
-               "convert-checkpoint": _cmd_convert}[args.command]
+               "convert-checkpoint": _cmd_convert, "import-mindspore": _cmd_import,
+               "export-mindspore": _cmd_export_ms}[args.command]
     with warnings.catch_warnings():
         warnings.simplefilter("default", ConfigWarning)
         show = warnings.showwarning

@@ -129,6 +129,11 @@ class DecoderAdapter:
             out[slot] = names[i]
         return out
 
+    def mindformers_weights(self, config: Any, *, legacy: bool, qkv_interleaved: bool = True,
+                            fc1_interleaved: bool = True) -> list:
+        """The family's MindFormers <-> HF weight map (checkpoint/weight_map.py ops)."""
+        raise ValueError(f"{type(self).__name__}: no MindFormers weight-name map for this family yet")
+
     def layer_count(self, model: nn.Module) -> int:
         return len(self.base(model).layers)
 

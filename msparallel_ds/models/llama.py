@@ -10,10 +10,11 @@ heads, plus sequence-parallel and vocab-parallel entries (styles: tensor_paralle
 from __future__ import annotations
 
 import importlib
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from torch import Tensor, nn
 
+from ..checkpoint.weight_map import FusedGateUp, FusedQKV, Rename, WeightOp
 from .base import DecoderAdapter, LayerParts
 from .stage import StageModule
 
@@ -121,6 +122,72 @@ class LlamaFamily(DecoderAdapter):
     def make_stage(self, model: nn.Module, layer_ids, *, first: bool, last: bool) -> StageModule:
         return StageModule.cut(model, layer_ids, first=first, last=last)
 
+    # ------------------------------------------------------------------------------------------ MindFormers weights
+    def mindformers_weights(self, config: Any, *, legacy: bool, qkv_interleaved: bool = True,
+                            fc1_interleaved: bool = True) -> list[WeightOp]:
+        """MindFormers checkpoint names <-> this family's HF names (checkpoint/weight_map.py). legacy: the
+        LlamaForCausalLM cells of MindFormers <= 1.x and 2.x `use_legacy: true`; else the 2.x mcore GPT cells."""
+        return _legacy_ops(qkv_interleaved) if legacy else mcore_dense_ops(qkv_interleaved, fc1_interleaved)
+
+
+_HF = "model.layers.{L}."
+_QKV = ("q", "k", "v")
+
+
+def _legacy_ops(interleaved: bool) -> list[WeightOp]:
+    """mindformers 2.1.0 models/llama/convert_weight.py:107-120 (name_replace, HF -> MindFormers names; q/k rows
+    are not permuted: that permute, :70, is for Meta .pth files only). qkv_concat fuses w_qkv and w_gate_hidden:
+    interleaved per kv group / row by row in 1.6 and 2.1 (utils/convert_utils.py:65-106, read by
+    llama_transformer.py:478-487 and llama_layer.py:406-413), a plain concat in 1.3.2 (llama_transformer.py:321-322,
+    llama_layer.py:353-354 there)."""
+    mf = "model.layers.{L}."
+    ops = [Rename("model.tok_embeddings.embedding_weight", "model.embed_tokens.weight"),
+           Rename("model.norm_out.weight", "model.norm.weight"), Rename("lm_head.weight", "lm_head.weight"),
+           Rename(mf + "attention.wo.weight", _HF + "self_attn.o_proj.weight"),
+           Rename(mf + "attention.wo.bias", _HF + "self_attn.o_proj.bias"),  # attn_proj_has_bias
+           Rename(mf + "feed_forward.w2.weight", _HF + "mlp.down_proj.weight"),
+           Rename(mf + "attention_norm.weight", _HF + "input_layernorm.weight"),
+           Rename(mf + "ffn_norm.weight", _HF + "post_attention_layernorm.weight"),
+           FusedGateUp((mf + "feed_forward.w_gate_hidden.weight",),
+                       (_HF + "mlp.gate_proj.weight", _HF + "mlp.up_proj.weight"), True, interleaved),
+           WeightOp((mf + "feed_forward.w1.weight",), (_HF + "mlp.gate_proj.weight",), False),
+           WeightOp((mf + "feed_forward.w3.weight",), (_HF + "mlp.up_proj.weight",), False)]
+    for kind in ("weight", "bias"):  # Qwen-style YAMLs (qkv_has_bias) carry q/k/v biases
+        ops.append(FusedQKV((f"{mf}attention.w_qkv.{kind}",), tuple(f"{_HF}self_attn.{x}_proj.{kind}" for x in _QKV),
+                            True, interleaved))
+        ops += [WeightOp((f"{mf}attention.w{x}.{kind}",), (f"{_HF}self_attn.{x}_proj.{kind}",), False) for x in _QKV]
+    return ops
+
+
+def mcore_dense_ops(qkv_interleaved: bool, fc1_interleaved: bool, *, mlp: bool = True) -> list[WeightOp]:
+    """mindformers 2.1.0 models/qwen3/utils.py:51-119 (weight_converters) and models/qwen2/utils.py:30-43
+    (weight_mapping: the split linear_q/k/v, gating/hidden forms). linear_qkv is interleaved per kv group
+    (checkpoint/converter/convert_op.py QKVConvertOp, :471-523, QKVBiasConvertOp for its bias) unless
+    use_contiguous_weight_layout_attention (parallel_core/transformer_config.py:221, default False); linear_fc1
+    is interleaved row by row (ConcatConvertOp, :200-260) while use_interleaved_weight_layout_mlp (:234, default
+    True)."""
+    mf = "decoder.layers.{L}."
+    ops = [Rename("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+           Rename("decoder.final_layernorm.weight", "model.norm.weight"),
+           Rename("output_layer.weight", "lm_head.weight"),
+           Rename(mf + "self_attention.linear_proj.weight", _HF + "self_attn.o_proj.weight"),
+           Rename(mf + "self_attention.q_layernorm.weight", _HF + "self_attn.q_norm.weight"),
+           Rename(mf + "self_attention.k_layernorm.weight", _HF + "self_attn.k_norm.weight"),
+           Rename(mf + "input_layernorm.weight", _HF + "input_layernorm.weight"),
+           Rename(mf + "pre_mlp_layernorm.weight", _HF + "post_attention_layernorm.weight")]
+    for kind in ("weight", "bias"):
+        ops.append(FusedQKV((f"{mf}self_attention.linear_qkv.{kind}",),
+                            tuple(f"{_HF}self_attn.{x}_proj.{kind}" for x in _QKV), True, qkv_interleaved))
+        ops += [WeightOp((f"{mf}self_attention.linear_{x}.{kind}",), (f"{_HF}self_attn.{x}_proj.{kind}",), False)
+                for x in _QKV]
+    if mlp:
+        ops += [Rename(mf + "mlp.linear_fc2.weight", _HF + "mlp.down_proj.weight"),
+                FusedGateUp((mf + "mlp.linear_fc1.weight",), (_HF + "mlp.gate_proj.weight", _HF + "mlp.up_proj.weight"),
+                            True, fc1_interleaved),
+                WeightOp((mf + "mlp.gating.weight",), (_HF + "mlp.gate_proj.weight",), False),
+                WeightOp((mf + "mlp.hidden.weight",), (_HF + "mlp.up_proj.weight",), False)]
+    return ops
+
 
 def _hf_module(attn: nn.Module):
     """The family's HF modeling module (apply_rotary_pos_emb, eager_attention_forward)."""
@@ -148,3 +215,51 @@ def _attention(attn: nn.Module, q: Tensor, k: Tensor, v: Tensor, kw: dict) -> Te
     out, _ = fn(attn, q, k, v, kw.get("attention_mask"), dropout=attn.attention_dropout if attn.training else 0.0,
                 scaling=attn.scaling, sliding_window=window, **extra)
     return out.reshape(*out.shape[:2], -1).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- legacy YAML
+def _legacy_error(key: str, value, rule: str, fix: str) -> ValueError:
+    return ValueError(f"model.model_config.{key}={value!r} {rule}; {fix}")
+
+
+def _legacy_ffn_size(mc: Mapping) -> int:
+    """FeedForward's hidden dim (mindformers 2.1.0 models/llama/llama_layer.py:300-309)."""
+    if mc.get("intermediate_size"):
+        return int(mc["intermediate_size"])
+    dim = 4 * int(mc["hidden_size"])
+    if mc.get("ffn_dim_multiplier") is not None:
+        dim = int((float(mc["ffn_dim_multiplier"]) + 0.01) * dim)
+    dim = int(2 * dim / 3)
+    m = int(mc.get("multiple_of", 256))
+    return m * ((dim + m - 1) // m)
+
+
+def legacy_hf_config(mc: Mapping) -> tuple[str, dict]:
+    """(HF model_type, config kwargs) of a MindFormers legacy `model_config` (type LlamaConfig; mindformers 2.1.0
+    models/llama/llama_config.py:132-176): Llama, or Qwen2 when only q/k/v carry biases (qkv_has_bias)."""
+    arch_type = str(mc.get("type", "LlamaConfig"))
+    if arch_type != "LlamaConfig":
+        raise _legacy_error("type", arch_type, "is not a legacy model msparallel_ds can import", "legacy imports "
+                            "cover LlamaConfig models (Llama 2/3, Qwen 1.5/2/2.5 YAMLs); use a 2.x mcore YAML")
+    if str(mc.get("extend_method", "None")) != "None":
+        raise _legacy_error("extend_method", mc["extend_method"], "(RoPE scaling) has no HF counterpart here",
+                            "set rope_scaling in the written config.json by hand after importing with "
+                            "extend_method: None")
+    qkv_bias, o_bias = bool(mc.get("qkv_has_bias", False)), bool(mc.get("attn_proj_has_bias", False))
+    if o_bias and not qkv_bias:
+        raise _legacy_error("attn_proj_has_bias", True, "without qkv_has_bias has no HF Llama/Qwen2 counterpart",
+                            "only q/k/v biases (Qwen2) or all four (Llama attention_bias) import")
+    model_type = "qwen2" if qkv_bias and not o_bias else "llama"  # Qwen2: q/k/v biases, none on o_proj
+    heads = int(mc.get("num_heads", 32))
+    kw = {"hidden_size": int(mc.get("hidden_size", 4096)), "num_hidden_layers": int(mc.get("num_layers", 32)),
+          "num_attention_heads": heads, "num_key_value_heads": int(mc.get("n_kv_heads") or heads),
+          "intermediate_size": _legacy_ffn_size({"hidden_size": 4096, **mc}),
+          "vocab_size": int(mc.get("vocab_size", 32000)),
+          "rms_norm_eps": float(mc.get("rms_norm_eps", 1e-5)), "rope_theta": float(mc.get("theta", 10000.0)),
+          "max_position_embeddings": int(mc.get("max_position_embedding") or mc.get("seq_length") or 2048),
+          "bos_token_id": mc.get("bos_token_id", 1), "eos_token_id": mc.get("eos_token_id", 2),
+          "pad_token_id": mc.get("pad_token_id", 0), "tie_word_embeddings": bool(mc.get("tie_word_embeddings", False)),
+          "hidden_act": "silu"}
+    if model_type == "llama":
+        kw["attention_bias"] = qkv_bias
+    return model_type, kw

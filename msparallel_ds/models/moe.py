@@ -16,8 +16,9 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
+from ..checkpoint.weight_map import Experts, Rename, WeightOp
 from .base import LayerParts
-from .llama import LlamaFamily
+from .llama import LlamaFamily, mcore_dense_ops
 
 __all__ = ["MoEFamily"]
 
@@ -112,6 +113,22 @@ class MoEFamily(LlamaFamily):
         else:
             parts = ("gate_proj", "up_proj") if attr == "gate_up_proj" else ("down_proj",)
         return [[f"{base}.{e}.{part}.weight" for part in parts] for e in experts]
+
+    def mindformers_weights(self, config: Any, *, legacy: bool, qkv_interleaved: bool = True,
+                            fc1_interleaved: bool = True) -> list[WeightOp]:
+        """mcore MoE cells (mindformers 2.1.0 models/qwen3_moe/utils.py:51-115): the router is `mlp.router`, the
+        routed experts are stacked in weight1 / weight2 (Experts); dense layers keep the mcore MLP names."""
+        if legacy:
+            raise ValueError(f"{config.model_type}: importing MindFormers legacy MoE checkpoints (moe_config, "
+                             "use_legacy: true) is not supported; convert with MindFormers to its mcore names first")
+        if config.model_type != "qwen3_moe":
+            raise ValueError(f"{config.model_type}: only Qwen3-MoE's MindFormers mcore names are mapped (shared "
+                             "experts and Mixtral's block names are not)")
+        mf, hf = "decoder.layers.{L}.mlp.", "model.layers.{L}.mlp."
+        return mcore_dense_ops(qkv_interleaved, fc1_interleaved) + [
+            Rename(mf + "router.weight", hf + "gate.weight"),
+            Experts((mf + "experts.weight1",), (hf + "experts.gate_up_proj",)),
+            Experts((mf + "experts.weight2",), (hf + "experts.down_proj",))]
 
     def checkpoint_alias(self, name: str, config: Any) -> Optional[str]:
         """The original-format key of a non-expert tensor stored under another name (Mixtral's block_sparse_moe)."""

@@ -1,0 +1,218 @@
+"""MindSpore / MindFormers checkpoints in and out, without MindSpore installed.
+
+    msparallel-ds import-mindspore SRC DST --config RUN.yaml [--strategy S] [--to-layout NEW.yaml]
+    msparallel-ds export-mindspore HF_DIR OUT.ckpt --config RUN.yaml [--format safetensors]
+
+Import reads SRC (a merged .ckpt, .safetensors or index, or MindFormers' per-rank `rank_*/` folders merged by the
+strategy file: checkpoint/mindspore_files), maps MindFormers names and fused layouts to the HF model of RUN.yaml's
+model_config (the family's weight map, checkpoint/weight_map.py), checks every name and shape against that model
+built on the meta device, and only then writes: a HF folder (config.json + safetensors) that
+AutoModelForCausalLM.from_pretrained loads, or with --to-layout our engine.load checkpoint (weights, fresh optimizer
+state) pre-sliced for NEW.yaml's layout. Export is the inverse map, so export -> import gives the same tensors.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .mindformers_model import MindFormersModel, model_from_yaml
+from .weight_map import MappingError, to_hf, to_mf
+
+__all__ = ["export_mindspore", "import_mindspore", "mindformers_to_hf"]
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _expected(model: MindFormersModel) -> dict[str, Tensor]:
+    """Every parameter of the HF model, on the meta device (no memory); a tied head is the embedding: listed once."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(model.hf_config)
+    except (AssertionError, ValueError, RuntimeError, TypeError) as e:  # e.g. a pad_token_id past the vocab
+        raise ValueError(f"the YAML's model.model_config does not build a {model.hf_config.model_type} model: "
+                         f"{e}") from None
+    return dict(hf.named_parameters())
+
+
+def _mindformers_shapes(model: MindFormersModel, expected: dict[str, Tensor]) -> dict[str, tuple]:
+    """The full shape of every MindFormers name the model can have (fused and split forms), mapped on meta."""
+    shapes = {}
+    for fused in (True, False):
+        shapes.update({n: tuple(t.shape) for n, t in to_mf(model.ops, expected, model.hf_config, fused=fused).items()})
+    return shapes
+
+
+def _check(hf: dict[str, Tensor], expected: dict, origin: dict[str, list[str]], uncovered: set[str],
+           what: str) -> None:
+    problems = [f"missing {n} {tuple(s)}" for n, s in expected.items() if n not in hf]
+    problems += [f"{', '.join(origin.get(n, [n]))} -> {n}: the model has no such parameter" for n in hf
+                 if n not in expected]
+    for n, t in hf.items():
+        if n in expected and tuple(t.shape) != tuple(expected[n]):
+            srcs = origin.get(n, [n])
+            sliced = [s for s in srcs if s in uncovered]
+            why = (f"; {', '.join(sliced)} came from per-rank slices but the strategy file covers no layout for it "
+                   "(pass the strategy file of the run that saved it with --strategy)") if sliced else ""
+            problems.append(f"{', '.join(srcs)} -> {n}: shape {tuple(t.shape)}, the YAML's model needs "
+                            f"{tuple(expected[n])}{why}")
+    if problems:
+        raise MappingError(f"{what}: " + "; ".join(problems) + ". Nothing was written")
+
+
+def mindformers_to_hf(src: str, config: str, *, strategy: Optional[str] = None,
+                      legacy_fused_layout: str = "interleaved") -> tuple[MindFormersModel, dict[str, Tensor], Any]:
+    """(model, HF-named full tensors in the model's order, the read report), every name and shape checked."""
+    from .mindspore_files import read_mindspore_weights
+
+    model = model_from_yaml(config, legacy_fused_layout=legacy_fused_layout)
+    expected = _expected(model)
+    weights = read_mindspore_weights(src, strategy=strategy, full_shapes=_mindformers_shapes(model, expected))
+    origin: dict[str, list[str]] = {}
+    hf = to_hf(model.ops, weights.tensors, model.hf_config, origin=origin)
+    _check(hf, {n: t.shape for n, t in expected.items()}, origin, set(weights.uncovered), f"{src} under {config}")
+    return model, {n: hf[n] for n in expected}, weights
+
+
+def _cast(tensors: dict[str, Tensor], dtype: Optional[str]) -> dict[str, Tensor]:
+    if dtype is None:
+        return tensors
+    if dtype not in _DTYPES:
+        raise ValueError(f"--dtype {dtype} must be one of {', '.join(_DTYPES)}")
+    return {n: t.to(_DTYPES[dtype]) if t.is_floating_point() else t for n, t in tensors.items()}
+
+
+def _fresh_dir(dst: str) -> str:
+    path = Path(dst)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise FileExistsError(f"{dst} exists and is not an empty folder; import-mindspore writes a new folder")
+    return f"{path.as_posix().rstrip('/')}.tmp-{os.getpid()}"
+
+
+def _publish(tmp: str, dst: str) -> None:
+    if Path(dst).exists():
+        Path(dst).rmdir()  # empty (checked before anything was written)
+    os.replace(tmp, dst)
+
+
+def _write_hf(tmp: str, model: MindFormersModel, tensors: dict[str, Tensor]) -> None:
+    from huggingface_hub import save_torch_state_dict
+
+    floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
+    if floats:
+        model.hf_config.torch_dtype = max(set(floats), key=floats.count)
+    model.hf_config.save_pretrained(tmp)
+    save_torch_state_dict({n: t.contiguous() for n, t in tensors.items()}, tmp, max_shard_size="5GB")
+
+
+def _write_layout(tmp: str, model: MindFormersModel, tensors: dict[str, Tensor], layout_yaml: str, echo) -> None:
+    """engine.save's record of these weights (fp32 masters, no Adam moments: a fresh optimizer), sliced for
+    layout_yaml's (pp 1, tp) coordinates by convert-checkpoint, or whole for a pipeline layout."""
+    from ..config import load_config
+    from ..plan import make_plan
+    from .convert import convert_checkpoint, target_spec
+    from .format import FILE, FORMAT, atomic_save, checksums
+
+    plan = make_plan(load_config(layout_yaml))
+    params = {n: {"fp32": t.float().contiguous()} for n, t in tensors.items()}
+    spec = target_spec(model.hf_config, model.adapter, params, plan.mesh.tp, plan.vocab_parallel)
+    for n in spec.split_names():  # heads / vocab that the new tp cannot split: an error before writing
+        if tensors[n].shape[spec[n].dim] % plan.mesh.tp:
+            raise ValueError(f"{n} {tuple(tensors[n].shape)}: dim {spec[n].dim} does not divide by "
+                             f"model_parallel={plan.mesh.tp} of {layout_yaml}")
+    record = {"format": FORMAT, "params": params, "optimizer_step": 0.0, "global_steps": 0, "lr_scheduler": None,
+              "model_config": model.hf_config.to_dict(), "checksum": "crc32", "checksums": checksums(params)}
+    if plan.mesh.pp > 1:  # engine.load slices the layout-independent file itself
+        atomic_save(record, os.path.join(tmp, FILE))
+        return
+    whole = f"{tmp}-whole"
+    try:
+        atomic_save(record, os.path.join(whole, FILE))
+        os.rmdir(tmp)
+        convert_checkpoint(whole, tmp, layout_yaml, echo=echo)
+    finally:
+        shutil.rmtree(whole, ignore_errors=True)
+
+
+def import_mindspore(src: str, dst: str, config: str, *, strategy: Optional[str] = None,
+                     to_layout: Optional[str] = None, legacy_fused_layout: str = "interleaved",
+                     dtype: Optional[str] = None, echo: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+    """Import SRC (see the module docstring) into the new folder DST. Returns a report (files read, names dropped,
+    tensors written)."""
+    tmp = _fresh_dir(dst)
+    model, tensors, weights = mindformers_to_hf(src, config, strategy=strategy,
+                                                legacy_fused_layout=legacy_fused_layout)
+    tensors = _cast(tensors, dtype)
+    os.makedirs(tmp, exist_ok=True)
+    try:
+        if to_layout:
+            _write_layout(tmp, model, tensors, to_layout, echo)
+        else:
+            _write_hf(tmp, model, tensors)
+        _publish(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"files": list(weights.files), "dropped": dict(weights.dropped), "tensors": len(tensors),
+            "parameters": sum(t.numel() for t in tensors.values()), "legacy": model.legacy,
+            "model_type": model.hf_config.model_type, "to_layout": to_layout}
+
+
+def _read_hf_dir(src: str) -> tuple[dict, dict[str, Tensor]]:
+    from safetensors.torch import load_file
+
+    folder = Path(src)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{src}: no config.json (export-mindspore reads a HF folder: save_pretrained's)")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{src}: no model.safetensors or model.safetensors.index.json (save with "
+                                "safe_serialization=True)")
+    tensors: dict[str, Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(folder / f)))
+    return json.loads(cfg_path.read_text()), tensors
+
+
+def export_mindspore(src: str, dst: str, config: str, *, fmt: str = "ckpt", dtype: Optional[str] = None,
+                     legacy_fused_layout: str = "interleaved") -> dict[str, Any]:
+    """HF folder SRC -> one merged MindSpore checkpoint DST (.ckpt or .safetensors) under the MindFormers names of
+    config's model (legacy or mcore; fused as the YAML's model fuses them)."""
+    from .format import ARCH_KEYS
+    from .mindspore_files import write_ckpt
+
+    if fmt not in ("ckpt", "safetensors"):
+        raise ValueError(f"--format {fmt} must be ckpt or safetensors")
+    if Path(dst).exists():
+        raise FileExistsError(f"{dst} exists; export-mindspore writes a new file")
+    model = model_from_yaml(config, legacy_fused_layout=legacy_fused_layout)
+    saved, tensors = _read_hf_dir(src)
+    mine = model.hf_config.to_dict()
+    for key in ARCH_KEYS:
+        if saved.get(key) is not None and mine.get(key) is not None and saved[key] != mine[key]:
+            raise ValueError(f"{src} is another model than {config} describes: {key}={saved[key]!r} in its "
+                             f"config.json, {mine[key]!r} from the YAML; export with the YAML of this model")
+    _check(tensors, {n: t.shape for n, t in _expected(model).items()}, {}, set(), f"{src}")
+    mf = to_mf(model.ops, _cast(tensors, dtype), model.hf_config, fused=model.qkv_concat)
+    Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "ckpt":
+        write_ckpt(dst, mf)
+    else:
+        from safetensors.torch import save_file
+
+        tmp = f"{dst}.tmp-{os.getpid()}"
+        save_file({n: t.contiguous() for n, t in mf.items()}, tmp, metadata={"format": "ms"})
+        os.replace(tmp, dst)
+    return {"tensors": len(mf), "parameters": sum(t.numel() for t in mf.values()), "names": list(mf)}

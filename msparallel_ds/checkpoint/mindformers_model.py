@@ -1,0 +1,122 @@
+"""The model a MindFormers YAML describes, as a HF config plus the facts its checkpoint layout depends on.
+
+    model = model_from_yaml("run.yaml")
+    model.hf_config, model.adapter, model.legacy, model.ops    # ops: the family's weight map for this checkpoint
+
+Legacy YAMLs (`use_legacy: true`, the default; `model_config: {type: LlamaConfig, ...}`) use MindFormers' own
+keys (mindformers 2.1.0 models/llama/llama_config.py:132-176): num_layers, num_heads, n_kv_heads, theta,
+max_position_embedding, intermediate_size or multiple_of / ffn_dim_multiplier, qkv_has_bias, qkv_concat.
+2.x mcore YAMLs (`use_legacy: false`) carry HF keys plus model_type / architectures, on top of the config.json in
+`pretrained_model_dir` when that folder exists (how MindFormers 2.x builds the model).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["MindFormersModel", "model_from_yaml"]
+
+
+@dataclass
+class MindFormersModel:
+    hf_config: Any
+    adapter: Any
+    legacy: bool
+    qkv_concat: bool          # export: write the fused form (legacy qkv_concat; mcore always fuses)
+    ops: list
+
+
+def _error(path, key: str, value, rule: str, fix: str) -> ValueError:
+    return ValueError(f"{path}: model.model_config.{key}={value!r} {rule}; {fix}")
+
+
+def _mcore_config(mc: Mapping, raw: Mapping, path) -> tuple[str, dict]:
+    from transformers import AutoConfig
+
+    kw: dict[str, Any] = {}
+    base = raw.get("pretrained_model_dir")
+    if base and (Path(str(base)) / "config.json").is_file():
+        kw.update(json.loads((Path(str(base)) / "config.json").read_text()))
+    model_type = mc.get("model_type") or kw.get("model_type")
+    if not model_type:
+        raise _error(path, "model_type", None, "is needed for a 2.x (use_legacy: false) YAML",
+                     "add model_type (e.g. qwen3) or a pretrained_model_dir holding the HF config.json")
+    try:
+        defaults = AutoConfig.for_model(str(model_type)).to_dict()
+    except ValueError:
+        raise _error(path, "model_type", model_type, "is not a transformers model type", "use the HF model_type")
+    kw.update({k: _like(defaults[k], v) for k, v in mc.items()
+               if k in defaults and k not in ("model_type", "transformers_version")})
+    if mc.get("hidden_act") == "swiglu":  # MindFormers' gated SiLU MLP is HF's silu act with gate/up projections
+        kw["hidden_act"] = "silu"
+    if "untie_embeddings_and_output_weights" in mc and "tie_word_embeddings" not in mc:
+        kw["tie_word_embeddings"] = not mc["untie_embeddings_and_output_weights"]
+    archs = mc.get("architectures") or kw.get("architectures")
+    if archs:
+        kw["architectures"] = [archs] if isinstance(archs, str) else list(archs)
+    kw.pop("model_type", None)
+    return str(model_type), kw
+
+
+def _like(default: Any, value: Any) -> Any:
+    """YAML 1.1 reads `1e-6` (no dot) as a string: a number where the HF default is one."""
+    if isinstance(value, str) and isinstance(default, (int, float)) and not isinstance(default, bool):
+        try:
+            return float(value) if isinstance(default, float) else int(value)
+        except ValueError:
+            return value
+    return value
+
+
+def model_from_yaml(path: str | Path, *, legacy_fused_layout: str = "interleaved") -> MindFormersModel:
+    """The YAML's model (its `model.model_config`) and weight map. legacy_fused_layout: how a legacy checkpoint's
+    fused w_qkv / w_gate_hidden are laid out ("interleaved": MindFormers >= 1.6 incl. 2.x; "concat": 1.3.x)."""
+    import yaml
+    from transformers import AutoConfig
+
+    from ..models import adapter_for_config
+    from ..models.llama import legacy_hf_config
+
+    raw = yaml.safe_load(Path(path).read_text())
+    mc = ((raw or {}).get("model") or {}).get("model_config") if isinstance(raw, Mapping) else None
+    if not isinstance(mc, Mapping):
+        raise ValueError(f"{path}: no model.model_config section: the YAML of the run that wrote the checkpoint is "
+                         "needed (it describes the model)")
+    if legacy_fused_layout not in ("interleaved", "concat"):
+        raise ValueError(f"legacy fused layout {legacy_fused_layout!r} must be 'interleaved' or 'concat'")
+    legacy = raw.get("use_legacy", True) is not False
+    if legacy:
+        try:
+            model_type, kw = legacy_hf_config(mc)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    else:
+        model_type, kw = _mcore_config(mc, raw, path)
+    try:
+        hf_config = AutoConfig.for_model(model_type, **kw)
+    except (TypeError, ValueError) as e:  # HF's strict config fields name the key
+        raise ValueError(f"{path}: model.model_config does not make a {model_type} HF config: {e}") from None
+    if not getattr(hf_config, "architectures", None):
+        hf_config.architectures = [_causal_lm_name(model_type)]
+    try:
+        adapter = adapter_for_config(hf_config)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    if legacy:
+        ops = adapter.mindformers_weights(hf_config, legacy=True, qkv_interleaved=legacy_fused_layout == "interleaved")
+        qkv_concat = bool(mc.get("qkv_concat", False))
+    else:
+        ops = adapter.mindformers_weights(
+            hf_config, legacy=False,
+            qkv_interleaved=not mc.get("use_contiguous_weight_layout_attention", False),
+            fc1_interleaved=bool(mc.get("use_interleaved_weight_layout_mlp", True)))
+        qkv_concat = True
+    return MindFormersModel(hf_config, adapter, legacy, qkv_concat, ops)
+
+
+def _causal_lm_name(model_type: str) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, f"{model_type}ForCausalLM")
