@@ -320,3 +320,28 @@ def test_single_ckpt_and_safetensors_index(tmp_path):
     assert set(w.tensors) == set(names[:2])  # safetensors keeps names sorted
     with pytest.raises(FileNotFoundError):
         read_mindspore_weights(tmp_path / "nope")
+
+
+_TORCH_OF = {"Float16": torch.float16, "Float32": torch.float32, "Float64": torch.float64,
+             "BFloat16": torch.bfloat16, "Int8": torch.int8, "Int16": torch.int16, "Int32": torch.int32,
+             "Int64": torch.int64, "UInt8": torch.uint8, "UInt16": torch.uint16, "UInt32": torch.uint32,
+             "UInt64": torch.uint64, "Bool": torch.bool}
+
+
+@pytest.mark.parametrize("name", ["dtypes.ckpt", "dtypes_crc.ckpt"])
+def test_reads_every_dtype_mindspore_wrote(name):
+    """tests/fixtures/mindspore/dtypes: written by mindspore.save_checkpoint (2.7.0), values listed by MindSpore."""
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "fixtures" / "mindspore" / "dtypes"
+    expected = json.loads((folder / "expected.json").read_text())
+    got = read_ckpt(str(folder / name))
+    assert set(got) == set(expected)
+    for key, want in expected.items():
+        t = got[key]
+        assert t.dtype == _TORCH_OF[want["dtype"]] and list(t.shape) == want["shape"], (key, t.dtype, t.shape)
+        ref = torch.tensor(want["value"], dtype=torch.float64 if t.is_floating_point() else None)
+        if t.dtype in (torch.uint16, torch.uint32, torch.uint64):  # torch has no uint64 literal above int64's range
+            assert [int(v) for v in t.flatten().tolist()] == [int(v) for v in ref.flatten().tolist()], key
+        else:
+            assert torch.equal(t.to(ref.dtype), ref), key

@@ -103,13 +103,17 @@ def _publish(tmp: str, dst: str) -> None:
 
 
 def _write_hf(tmp: str, model: MindFormersModel, tensors: dict[str, Tensor]) -> None:
-    from huggingface_hub import save_torch_state_dict
+    """HF's own save_pretrained of the model holding these tensors (built on meta, the tensors assigned), so the
+    folder is in the format transformers writes (e.g. one matrix per expert for MoE models)."""
+    from transformers import AutoModelForCausalLM
 
     floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
-    if floats:
-        model.hf_config.torch_dtype = max(set(floats), key=floats.count)
-    model.hf_config.save_pretrained(tmp)
-    save_torch_state_dict({n: t.contiguous() for n, t in tensors.items()}, tmp, max_shard_size="5GB")
+    dtype = max(set(floats), key=floats.count) if floats else torch.float32
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(model.hf_config, dtype=dtype)
+    hf.load_state_dict(tensors, strict=True, assign=True)
+    hf.tie_weights()
+    hf.save_pretrained(tmp)
 
 
 def _write_layout(tmp: str, model: MindFormersModel, tensors: dict[str, Tensor], layout_yaml: str, echo) -> None:
@@ -166,24 +170,15 @@ def import_mindspore(src: str, dst: str, config: str, *, strategy: Optional[str]
 
 
 def _read_hf_dir(src: str) -> tuple[dict, dict[str, Tensor]]:
-    from safetensors.torch import load_file
+    """(config.json, the model's parameters by name): transformers reads the folder, so every format it writes
+    (one matrix per expert, sharded files) comes out under the model's own parameter names."""
+    from transformers import AutoModelForCausalLM
 
-    folder = Path(src)
-    cfg_path = folder / "config.json"
+    cfg_path = Path(src) / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{src}: no config.json (export-mindspore reads a HF folder: save_pretrained's)")
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{src}: no model.safetensors or model.safetensors.index.json (save with "
-                                "safe_serialization=True)")
-    tensors: dict[str, Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(folder / f)))
-    return json.loads(cfg_path.read_text()), tensors
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    return json.loads(cfg_path.read_text()), {n: p.detach() for n, p in hf.named_parameters()}
 
 
 def export_mindspore(src: str, dst: str, config: str, *, fmt: str = "ckpt", dtype: Optional[str] = None,

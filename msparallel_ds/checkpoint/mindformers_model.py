@@ -44,11 +44,13 @@ def _mcore_config(mc: Mapping, raw: Mapping, path) -> tuple[str, dict]:
         raise _error(path, "model_type", None, "is needed for a 2.x (use_legacy: false) YAML",
                      "add model_type (e.g. qwen3) or a pretrained_model_dir holding the HF config.json")
     try:
-        defaults = AutoConfig.for_model(str(model_type)).to_dict()
+        default = AutoConfig.for_model(str(model_type))
     except ValueError:
         raise _error(path, "model_type", model_type, "is not a transformers model type", "use the HF model_type")
-    kw.update({k: _like(defaults[k], v) for k, v in mc.items()
-               if k in defaults and k not in ("model_type", "transformers_version")})
+    defaults = default.to_dict()
+    aliases = getattr(default, "attribute_map", {})  # e.g. Qwen3-MoE's num_experts -> num_local_experts
+    kw.update({k: _like(defaults.get(aliases.get(k, k)), v) for k, v in mc.items()
+               if (k in defaults or k in aliases) and k not in ("model_type", "transformers_version")})
     if mc.get("hidden_act") == "swiglu":  # MindFormers' gated SiLU MLP is HF's silu act with gate/up projections
         kw["hidden_act"] = "silu"
     if "untie_embeddings_and_output_weights" in mc and "tie_word_embeddings" not in mc:
