@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ..distributed.layout import ParallelLayout
 
 __all__ = ["FILE", "FORMAT", "SHARDED_FORMAT", "SHARDED_INDEX", "CheckpointSaveError", "agreed", "atomic_save",
+           "atomic_write",
            "check_model_config", "check_names", "nonfinite_tensors", "read_checkpoint_file", "read_for_layout",
            "record_for", "resume_progress", "shard_file", "verify_checksums", "write_agreed"]
 
@@ -60,10 +61,16 @@ def atomic_save(obj: Any, path: str) -> None:
             os.remove(stale)
         except OSError:
             pass
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def atomic_write(path: str, write, *, suffix: str = ".pt") -> None:
+    """`write(file)` into a temporary name in path's folder, fsync, then rename: readers see the old file or the
+    new one, never a part."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=os.path.dirname(os.path.abspath(path)))
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import mmap
 import os
-import tempfile
 import zlib
 
 import torch
 
+from ..format import atomic_write
 from .proto import Checkpoint
 
 # tensor_type (str(mindspore dtype)) <-> torch dtype; bf16 is stored as raw 2-byte bfloat16.
@@ -165,29 +165,20 @@ def write_ckpt(path: str | os.PathLike, tensors: dict, *, crc: bool = False) -> 
     """Write `tensors` (name -> tensor / str / int / float) as mindspore.save_checkpoint would, atomically.
 
     crc=True appends MindSpore's crc trailer (save_checkpoint(..., crc_check=True))."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_", suffix=".ckpt")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            crc_num = 0
-            for name, value in tensors.items():
-                for dims, ttype, content in _records(name, value):
-                    msg = Checkpoint()
-                    v = msg.value.add()
-                    v.tag = name
-                    v.tensor.dims.extend(dims)
-                    v.tensor.tensor_type = ttype
-                    v.tensor.tensor_content = bytes(content)
-                    blob = msg.SerializeToString()
-                    crc_num = zlib.crc32(blob, crc_num)
-                    f.write(blob)
-            if crc:
-                f.write(CRC_MARK + crc_num.to_bytes(10, "big"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    def write(f) -> None:
+        crc_num = 0
+        for name, value in tensors.items():
+            for dims, ttype, content in _records(name, value):
+                msg = Checkpoint()
+                v = msg.value.add()
+                v.tag = name
+                v.tensor.dims.extend(dims)
+                v.tensor.tensor_type = ttype
+                v.tensor.tensor_content = bytes(content)
+                blob = msg.SerializeToString()
+                crc_num = zlib.crc32(blob, crc_num)
+                f.write(blob)
+        if crc:
+            f.write(CRC_MARK + crc_num.to_bytes(10, "big"))
+
+    atomic_write(os.fspath(path), write, suffix=".ckpt")
