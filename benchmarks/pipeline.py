@@ -14,6 +14,7 @@ Benchmarks are not tests: nothing is asserted.
 
     python benchmarks/pipeline.py                  # pp 4 on 4 processes, m 8, writes results/pipeline_cpu.json
     python benchmarks/pipeline.py --pp 2 --micro 4 --cost-ms 20
+    python benchmarks/pipeline.py --draw benchmarks/results/pipeline   # + measured vs theory timelines (png)
 """
 from __future__ import annotations
 
@@ -45,37 +46,41 @@ def yaml(pp: int, m: int, sched: str, vpp: int, layers: int) -> dict:
                                        "n_kv_heads": 2, "hidden_size": 64, "vocab_size": 256}}}
 
 
-def _add_fixed_cost(layer, t_f: float, t_b: float, t_w: float, busy: list) -> None:
+def _add_fixed_cost(layer, t_f: float, t_b: float, t_w: float, state: dict, stage: int) -> None:
+    """The layer sleeps t_f forward, t_b in its input's backward, t_w in its weight's backward; each sleep is
+    added to state["busy"] and logged as (stage, kind, start, end) since state["t0"] (the step's start)."""
     import torch
 
     class Cost(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, fwd, bwd):
-            ctx.bwd = bwd
-            _sleep(fwd)
+        def forward(ctx, x, fwd, bwd, kinds):
+            ctx.bwd, ctx.kind = bwd, kinds[1]
+            _sleep(fwd, kinds[0])
             return x.view_as(x)
 
         @staticmethod
         def backward(ctx, g):
-            _sleep(ctx.bwd)
-            return g, None, None
+            _sleep(ctx.bwd, ctx.kind)
+            return g, None, None, None
 
-    def _sleep(seconds):
+    def _sleep(seconds, kind):
         if seconds:
             t = time.perf_counter()
             time.sleep(seconds)
-            busy[0] += time.perf_counter() - t
+            end = time.perf_counter()
+            state["busy"] += end - t
+            state["events"].append((stage, kind, t - state["t0"], end - state["t0"]))
 
     inner = layer.forward
 
     def forward(hidden_states, *args, **kwargs):
-        return inner(Cost.apply(hidden_states, t_f, t_b), *args, **kwargs)
+        return inner(Cost.apply(hidden_states, t_f, t_b, ("F", "B")), *args, **kwargs)
 
     layer.forward = forward
     down = layer.mlp.down_proj  # a weight used once: its gradient path alone carries t_w
 
     def down_forward(x):
-        return torch.nn.functional.linear(x, Cost.apply(down.weight, 0.0, t_w), down.bias)
+        return torch.nn.functional.linear(x, Cost.apply(down.weight, 0.0, t_w, ("F", "W")), down.bias)
 
     down.forward = down_forward
 
@@ -98,24 +103,25 @@ def _worker(rank, world, port, args, out):
         engine = msp.initialize(tiny_llama(num_hidden_layers=layers), msp.load_config(
             yaml(args.pp, args.micro, sched, vpp, layers)),
             optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
-        busy = [0.0]
-        for layer in engine.model.model.layers.values():
-            _add_fixed_cost(layer, cost, cost, cost, busy)
+        state = {"busy": 0.0, "t0": 0.0, "events": []}
+        per_stage = layers // (args.pp * vpp)
+        for idx, layer in engine.model.model.layers.items():
+            _add_fixed_cost(layer, cost, cost, cost, state, int(idx) // per_stage)
         ids = torch.randint(0, 256, (args.micro, args.seq), generator=torch.Generator().manual_seed(0))
         steps, fractions = [], []
         for i in range(args.warmup + args.steps):
             dist.barrier()
-            busy[0] = 0.0
-            t = time.perf_counter()
+            state.update(busy=0.0, events=[])
+            t = state["t0"] = time.perf_counter()
             engine.train_batch({"input_ids": ids})
             dt = time.perf_counter() - t
             if i >= args.warmup:
                 steps.append(dt)
-                fractions.append(1 - busy[0] / dt)
+                fractions.append(1 - state["busy"] / dt)
         if rank == 0:
             print(f"{name}: step {statistics.median(steps):.3f} s", file=sys.stderr, flush=True)
         results[name] = {"step_s": statistics.median(steps), "bubble": statistics.median(fractions),
-                         "busy_s": busy[0]}
+                         "busy_s": state["busy"], "events": state["events"], "last_step_s": dt}
     out.put((rank, results))
     dist.destroy_process_group()
 
@@ -129,6 +135,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline_cpu.json"))
+    ap.add_argument("--draw", default=None, metavar="DIR", help="also draw each schedule's measured timeline next "
+                    "to the theory (pipeline_<schedule>.png; needs matplotlib)")
     args = ap.parse_args()
 
     import multiprocessing as mp
@@ -164,6 +172,38 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"config": vars(args), "device": "cpu (gloo)", "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")
+    if args.draw:
+        _draw(args, per_rank)
+
+
+def _draw(args, per_rank: dict) -> None:
+    """Per schedule: the last timed step as measured (each rank's F / B / W sleeps, seconds since the step's start)
+    above the theory for the same schedule (msparallel_ds.draw's table, unit cost = --cost-ms)."""
+    from msparallel_ds.config import load_config
+    from msparallel_ds.draw.schedule import Block, ScheduleTable, draw_timelines, schedule_table
+    from msparallel_ds.plan import make_plan
+
+    os.makedirs(args.draw, exist_ok=True)
+    unit = args.cost_ms / 1000
+    for name, (sched, vpp) in SCHEDULES.items():
+        layers = args.pp * 2
+        # a whole backward does the layer's B and W sleeps: twice a forward; split ones (I, W) one each
+        theory_t = schedule_table(make_plan(load_config(yaml(args.pp, args.micro, sched, vpp, layers))),
+                                  costs={"B": 2.0})
+        per = 2 // vpp  # layers per stage: a theory unit is one stage's forward over its layers
+        theory_t.blocks = {r: [Block(b.rank, b.stage, b.kind, b.microbatch, b.start * unit * per, b.end * unit * per)
+                               for b in bl] for r, bl in theory_t.blocks.items()}
+        theory_t.makespan *= unit * per
+        got = {r: [Block(r, st, k, -1, a, b) for st, k, a, b in per_rank[r][name]["events"]]
+               for r in range(args.pp)}
+        step = max(per_rank[r][name]["last_step_s"] for r in range(args.pp))
+        measured = ScheduleTable(name, args.pp, args.pp * vpp, args.micro, {}, got, step)
+        path = os.path.join(args.draw, f"pipeline_{name}.png")
+        draw_timelines([(f"{name}: measured (last step, pp {args.pp}, m {args.micro}, F = B = W = "
+                         f"{args.cost_ms:g} ms per layer; {step:.3f} s)", measured),
+                        (f"{name}: theory ({theory_t.makespan:.3f} s, bubble {theory_t.bubble:.1%}, "
+                         f"order from {theory_t.source})", theory_t)], path)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.add_argument("--world-size", type=int, default=None, help="number of processes (checked against the YAML)")
     p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--draw", metavar="DIR", default=None,
+                   help="also write mesh.png, schedule.png and memory.png into DIR (needs matplotlib)")
+    p.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                   help="device memory line on memory.png (default: the YAML's context.max_device_memory)")
     e = sub.add_parser("export", help="write a DeepSpeed config or an accelerate launch config")
     e.add_argument("file")
     e.add_argument("--to", choices=("deepspeed", "accelerate"), required=True)
@@ -61,19 +65,66 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="check one or more YAMLs; one line per file")
     v.add_argument("files", nargs="+")
     v.add_argument("--world-size", type=int, default=None)
+    _suggest_parser(sub)
     return ap
 
 
-def _plan(path: str, world_size: Optional[int]):
+def _suggest_parser(sub) -> None:
+    g = sub.add_parser("suggest", help="search the MindFormers layouts of a model for N devices: drop those over "
+                                       "memory, rank the rest with a cost model, write the best as a YAML")
+    g.add_argument("--model", required=True, help="HF config.json or a MindFormers YAML (its model.model_config)")
+    g.add_argument("--world-size", type=int, default=None, help="devices (default: a YAML's own degrees' product)")
+    g.add_argument("--device-memory", default="80GiB", help="per device, e.g. 80GiB, 64GB, 512MiB (default 80GiB)")
+    g.add_argument("--headroom", type=float, default=0.9, help="share of the device memory the estimate may use")
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default: the YAML's")
+    g.add_argument("--intra-bw", type=float, default=200, help="GB/s inside a node (default 200, NVLink-class)")
+    g.add_argument("--inter-bw", type=float, default=25, help="GB/s across nodes (default 25, IB-class)")
+    g.add_argument("--devices-per-node", type=int, default=8)
+    g.add_argument("--flops", type=float, default=400e12, help="dense matmul FLOP/s per device (default 400e12)")
+    g.add_argument("--mfu", type=float, default=0.4, help="share of --flops a step achieves (default 0.4)")
+    g.add_argument("--calibrate", action="store_true", help="measure FLOP/s and all-reduce bandwidth here first")
+    g.add_argument("--top", type=int, default=10)
+    g.add_argument("-o", "--output", default=None, help="write the best layout as a MindFormers YAML")
+    g.add_argument("--format", choices=("table", "json"), default="table")
+
+
+def _plan(path: str, world_size: Optional[int], device_memory_gib: Optional[float] = None):
     from .config.mindformers import load_config
     from .plan import make_plan
+    from .suggest.auto import auto_parallel_source
 
-    return make_plan(load_config(Path(path)), world_size=world_size)
+    # parallel_mode: 2 (auto_parallel): the strategy suggest chooses, with a warning saying which
+    source = auto_parallel_source(Path(path), world_size=world_size,
+                                  device_memory_bytes=device_memory_gib * 2**30 if device_memory_gib else None)
+    return make_plan(load_config(source, name=str(path)) if isinstance(source, dict) else load_config(source),
+                     world_size=world_size)
 
 
 def _cmd_plan(args) -> int:
-    plan = _plan(args.file, args.world_size)
+    plan = _plan(args.file, args.world_size, args.device_memory)
     print(plan.to_json() if args.format == "json" else plan.summary())
+    if args.draw is None:
+        return 0
+    from .draw import draw_plan, require_matplotlib
+    from .draw.memory import device_memory_from_yaml
+
+    try:
+        require_matplotlib()
+    except ImportError as exc:
+        print(f"error: --draw: {exc}", file=sys.stderr)
+        return 2
+    device = args.device_memory if args.device_memory is not None else device_memory_from_yaml(args.file)
+    try:
+        paths = draw_plan(plan, args.draw, device_memory_gib=device)
+    except OSError as exc:  # the user's folder: a message, not an internal error
+        print(f"error: cannot write pictures into --draw {args.draw}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    out = sys.stderr if args.format == "json" else sys.stdout  # keep stdout valid JSON
+    t = paths.schedule
+    print(f"schedule {t.name}: bubble fraction {t.bubble:.6f} (makespan {t.makespan:g} units)", file=out)
+    for kind, path in paths.items():
+        print(f"wrote {kind}: {path}", file=out)
     return 0
 
 
@@ -177,6 +228,51 @@ def _cmd_export_ms(args) -> int:
     return 0
 
 
+def _cmd_suggest(args) -> int:
+    from .suggest import Links, read_model
+    from .suggest.model import hand_written_world
+    from .suggest.output import as_json, parse_bytes, table, write_yaml
+    from .suggest.search import search
+
+    try:
+        memory = parse_bytes(args.device_memory)
+    except ValueError:
+        print(f"error: --device-memory {args.device_memory!r}: write e.g. 80GiB, 64GB or 512MiB", file=sys.stderr)
+        return 2
+    bad = [n for n, v in (("--intra-bw", args.intra_bw), ("--inter-bw", args.inter_bw), ("--flops", args.flops),
+                          ("--mfu", args.mfu), ("--headroom", args.headroom), ("--devices-per-node",
+                          args.devices_per_node), ("--top", args.top), ("--device-memory", memory)) if not v > 0]
+    if bad or (args.world_size is not None and args.world_size < 1):
+        print(f"error: {', '.join(bad) or '--world-size'} must be positive", file=sys.stderr)
+        return 2
+    links = Links(intra_bw=args.intra_bw * 1e9, inter_bw=args.inter_bw * 1e9, devices_per_node=args.devices_per_node,
+                  flops=args.flops, mfu=args.mfu)
+    if args.calibrate:
+        from .suggest.calibrate import calibrate
+
+        links, report = calibrate(links)
+        print("calibrated: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                         for k, v in report.items()), file=sys.stderr)
+    spec = read_model(args.model, args.seq_length, args.global_batch_size)
+    world = args.world_size or (hand_written_world(args.model) if spec.base.get("parallel_config") else None)
+    if world is None:
+        print("error: --world-size is needed (the model file gives no degrees)", file=sys.stderr)
+        return 2
+    if spec.parallel_mode == "auto_parallel":
+        print("note: the YAML sets parallel_mode auto_parallel: suggest's best layout is the strategy "
+              "(msparallel_ds.suggest.resolve_auto_parallel)", file=sys.stderr)
+    res = search(spec, world, memory, links, headroom=args.headroom)
+    print(as_json(res, args.top, links) if args.format == "json" else table(res, args.top))
+    if args.output and res.candidates:
+        try:
+            write_yaml(res.candidates[0], args.output, world, links)
+        except OSError as exc:
+            print(f"error: cannot write -o {args.output}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.output}: {res.candidates[0].label}", file=sys.stderr)
+    return 0 if res.candidates else 1
+
+
 def _cmd_validate(args) -> int:
     worst = 0
     for f in args.files:
@@ -204,7 +300,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"plan": _cmd_plan, "export": _cmd_export, "validate": _cmd_validate, "demo": _cmd_demo,
                "convert-checkpoint": _cmd_convert, "import-mindspore": _cmd_import,
-               "export-mindspore": _cmd_export_ms}[args.command]
+               "export-mindspore": _cmd_export_ms, "suggest": _cmd_suggest}[args.command]
     with warnings.catch_warnings():
         warnings.simplefilter("default", ConfigWarning)
         show = warnings.showwarning

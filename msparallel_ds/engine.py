@@ -239,7 +239,10 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer:
     from .distributed.layout import init_parallel
     from .strategy import applied_to, parallelize
 
-    cfg = cfg if isinstance(cfg, ParallelConfig) else load_config(cfg)
+    if not isinstance(cfg, ParallelConfig):
+        from .suggest.auto import auto_parallel_source
+
+        cfg = load_config(auto_parallel_source(cfg))  # parallel_mode: 2: the layout suggest chooses (warned)
     if not torch.cuda.is_available():  # before deepspeed.init_distributed, which would build the op on CPU
         runtime.disable_inference_shm_build()
     runtime.ensure_distributed(timeout_s)

@@ -63,7 +63,10 @@ def param_counts(cfg: "ParallelConfig") -> Optional[tuple[int, int]]:
     return dense_layer(cfg).total, m.vocab_size * m.hidden_size
 
 
-def estimate_memory(plan: "Plan") -> Optional[MemoryEstimate]:
+def estimate_memory(plan: "Plan", stage: Optional[int] = None) -> Optional[MemoryEstimate]:
+    """The worst rank's memory (stage None: the busiest stage's layers and state, charged one embedding or head and
+    the first stage's in-flight micro-batches: an upper bound), or pipeline stage `stage`'s own: the embedding on
+    the first stage, the head and logits on the last, 1F1B's min(micro_batch_num, pp - stage) in flight."""
     cfg = plan.config
     m = cfg.model
     counts = param_counts(cfg)
@@ -73,7 +76,6 @@ def estimate_memory(plan: "Plan") -> Optional[MemoryEstimate]:
     mesh = plan.mesh
     t, p = mesh.tp, mesh.pp
     kinds = stage_layer_kinds(plan)
-    stage_layers = max(sum(k) for k in kinds)
     vocab_split = t if plan.vocab_parallel else 1
     # pp == 1: embedding and head both here (head untied); pp > 1: one of them on the worst stage, and the last
     # stage's MTP layers need the embedding beside the head
@@ -87,9 +89,14 @@ def estimate_memory(plan: "Plan") -> Optional[MemoryEstimate]:
         return tuple(n * (params / (shard if z >= level else 1) + experts / (edp if z >= level else 1))
                      for n, level in ((wbytes, 3), (wbytes, 2), (obytes, 1)))
 
-    stages = [(d + embed_params + (mtp_embed if j == len(kinds) - 1 else 0), e)
-              for j, (d, e) in enumerate(stage_params(plan))]
+    last = len(kinds) - 1
+    if stage is not None:  # this stage's own: embedding first, head (+ MTP's embedding) last
+        embed_params = embed * ((stage == 0) + (stage == last)) // vocab_split
+        kinds = [kinds[stage]]
+    stages = [(d + embed_params + (mtp_embed if j == last else 0), e)
+              for j, (d, e) in enumerate(stage_params(plan)) if stage is None or j == stage]
     params, experts = max(stages, key=lambda pe: sum(states(*pe)))
+    stage_layers = max(sum(k) for k in kinds)
     weights, grads, optim = states(params, experts)
 
     s = m.seq_length // mesh.cp
@@ -103,17 +110,19 @@ def estimate_memory(plan: "Plan") -> Optional[MemoryEstimate]:
         layer_act += 5 * a * s * s * b / t
     layer_ckpt = 2 * s * b * h / (t if plan.sequence_parallel else 1)
     in_flight = 1 if p == 1 else (plan.micro_batch_num if plan.pp_schedule == "gpipe"
-                                  else min(plan.micro_batch_num, p))
+                                  else min(plan.micro_batch_num, p - (stage or 0)))
     no_recompute = stage_layers * layer_act * in_flight
     rc = plan.recompute
     if rc.mode == "full":
         recomputed = stage_layers
     elif rc.mode == "layers" and rc.layers:
-        recomputed = min(stage_layers, max(sum(col) for col in zip(*rc.layers)))
+        cols = list(zip(*rc.layers))
+        recomputed = min(stage_layers, sum(cols[stage]) if stage is not None and stage < len(cols)
+                         else max(sum(col) for col in cols))
     else:
         recomputed = 0
     act = ((stage_layers - recomputed) * layer_act + recomputed * layer_ckpt) * in_flight
-    logits = 4 * s * b * m.vocab_size / vocab_split
+    logits = 4 * s * b * m.vocab_size / vocab_split if stage in (None, last) else 0.0
     total = weights + grads + optim + act + logits
     return MemoryEstimate(params_per_rank=int(params + experts), weights_gib=weights / GIB, grads_gib=grads / GIB,
                           optimizer_gib=optim / GIB, activations_gib=act / GIB,
