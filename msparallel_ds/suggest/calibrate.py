@@ -14,25 +14,18 @@ from dataclasses import replace
 from .cost import Links
 
 
-def matmul_flops(n: int = 512, repeats: int = 5, seconds: float = 0.0) -> float:
-    """FLOP/s of an n x n float32 matmul (2 n^3 per product): best of `repeats` after one warm-up, or with
-    `seconds` > 0 the sustained rate of back-to-back products for that long (what a rank gets while others run)."""
+def matmul_flops(n: int = 512, seconds: float = 1.0) -> float:
+    """Sustained FLOP/s of back-to-back n x n float32 matmuls (2 n^3 each) for `seconds`, after one warm-up: what a
+    rank gets while the others run too (a best-of-few timing would catch a moment when they do not)."""
     import torch
 
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)
-    if seconds > 0:
-        count, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            torch.mm(a, b)
-            count += 1
-        return 2 * n ** 3 * count / (time.perf_counter() - t0)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
         torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
+        count += 1
+    return 2 * n ** 3 * count / (time.perf_counter() - t0)
 
 
 def train_flops(h: int = 256, tokens: int = 512, seconds: float = 1.0) -> float:
@@ -151,7 +144,7 @@ def _child(rank: int, world: int, port: int, nbytes: int, repeats: int, matmul_n
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         dist.barrier()
-        flops = matmul_flops(matmul_n, seconds=1.0)  # every rank at once: the rate under this many processes
+        flops = matmul_flops(matmul_n)  # every rank at once: the rate under this many processes
         dist.barrier()
         achieved = train_flops()
         bw, _ = _time_allreduce(nbytes, repeats)
@@ -197,7 +190,7 @@ def calibrate(links: Links = Links(), nbytes: int = 8 << 20, repeats: int = 5, m
 
     cores = os.cpu_count() or 1
     if dist.is_available() and dist.is_initialized():
-        flops, achieved, adam = matmul_flops(matmul_n, seconds=1.0), train_flops(), adam_seconds_per_param()
+        flops, achieved, adam = matmul_flops(matmul_n), train_flops(), adam_seconds_per_param()
         call = layer_call_seconds()
         bw_lat = (_time_allreduce(nbytes, repeats)[0], loaded_latency())
         where, world = f"process group ({dist.get_backend()}, {dist.get_world_size()} ranks)", dist.get_world_size()
@@ -205,7 +198,7 @@ def calibrate(links: Links = Links(), nbytes: int = 8 << 20, repeats: int = 5, m
         probe = _loopback(nbytes, repeats, timeout, world, matmul_n)  # before any matmul in this process
         where = f"{world} spawned processes, loopback gloo"
         flops, bw_lat, achieved, adam, call = ((probe[0], probe[1:3], probe[3], probe[4], probe[5]) if probe else
-                                               (matmul_flops(matmul_n, seconds=1.0), None, train_flops(),
+                                               (matmul_flops(matmul_n), None, train_flops(),
                                                 adam_seconds_per_param(), layer_call_seconds()))
     mfu = min(1.0, achieved / flops)
     shared = cores if world > cores else 0

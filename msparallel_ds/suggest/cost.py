@@ -100,10 +100,6 @@ def stage_layer_counts(plan: "Plan", spec: "ModelSpec") -> list[int]:
     return [spec.layers]
 
 
-def stage_layers(plan: "Plan", spec: "ModelSpec") -> int:
-    return max(stage_layer_counts(plan, spec))
-
-
 def recomputed_share(plan: "Plan", ls: int) -> float:
     rc = plan.recompute
     if rc.mode == "full":
@@ -123,7 +119,8 @@ def step_cost(spec: "ModelSpec", lay: "Layout", plan: "Plan", links: Links) -> d
     m = plan.micro_batch_num if p > 1 else plan.gradient_accumulation_steps
     s, h, L = spec.seq_length, spec.hidden, spec.layers
     F = links.flops * links.mfu
-    ls = stage_layers(plan, spec)
+    per_stage = stage_layer_counts(plan, spec)
+    ls = max(per_stage)
     rc = recomputed_share(plan, ls)
     p_layer = (spec.dense_layer_params * (L - spec.moe_layers) + spec.moe_layer_params * spec.moe_layers) / L
     attn_mb = 12 * h * b * s * s / (t * c) / F
@@ -131,7 +128,6 @@ def step_cost(spec: "ModelSpec", lay: "Layout", plan: "Plan", links: Links) -> d
     # every micro-batch (and multi-copy copy) calls each of the stage's layers once forward and backward
     layer_all = layer_mb * (1 + rc / 3) + lay.mbi * (1 + rc / 2) * links.layer_call_s
     head = 6 * spec.vocab * h * b * s / (t * c) / F  # the output head, on the last stage only
-    per_stage = stage_layer_counts(plan, spec)
     stage_work = [n * layer_all + (head if j == len(per_stage) - 1 else 0.0) for j, n in enumerate(per_stage)]
     # own devices: the busiest stage sets the pace; ranks sharing cores: the machine's total work does
     compute_mb = sum(stage_work) / len(stage_work) if links.shared_cores and p > 1 else max(stage_work)
