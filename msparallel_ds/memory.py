@@ -26,8 +26,9 @@ Assumptions (stated so the numbers can be checked):
 """
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from .model_params import dense_layer, mla_dims
 from .moe.plan import stage_layer_kinds, stage_params
@@ -159,3 +160,26 @@ def shape_notes(cfg: "ParallelConfig") -> list[str]:
         loss = f", loss x{m.mtp_loss_factor:g}" if m.mtp_loss_factor is not None else ""
         parts.append(f"MTP: {m.mtp_depth} layer(s) on the last stage, {where}{loss}")
     return ["; ".join(parts)] if parts else []
+
+
+_UNITS = {"": 1.0, "B": 2.0 ** -30, "K": 2.0 ** -20, "KB": 2.0 ** -20, "M": 2.0 ** -10, "MB": 2.0 ** -10,
+          "G": 1.0, "GB": 1.0, "T": 1024.0, "TB": 1024.0}
+
+
+def parse_memory_gib(value: Any) -> Optional[float]:
+    """MindSpore's context.max_device_memory ("58GB", "1024MB", 58) -> GiB; None when it cannot be read."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value) if value > 0 else None
+    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?B?)\s*", str(value), re.IGNORECASE)
+    if not found:
+        return None
+    gib = float(found.group(1)) * _UNITS[found.group(2).upper()]
+    return gib if gib > 0 else None
+
+
+def max_device_memory_gib(raw: Any) -> Optional[float]:
+    """A MindFormers YAML's context.max_device_memory (the raw mapping), in GiB; None when absent or unreadable."""
+    ctx = raw.get("context") if isinstance(raw, dict) else None
+    value = ctx.get("max_device_memory") if isinstance(ctx, dict) else None
+    return parse_memory_gib(value) if value is not None else None
+

@@ -16,8 +16,8 @@ import yaml  # noqa: E402
 
 from msparallel_ds.config.mindformers import load_config  # noqa: E402
 from msparallel_ds.draw import draw_plan, schedule_table  # noqa: E402
-from msparallel_ds.draw.memory import parse_memory_gib  # noqa: E402
 from msparallel_ds.draw.mesh import rank_grid  # noqa: E402
+from msparallel_ds.memory import parse_memory_gib  # noqa: E402
 from msparallel_ds.plan import make_plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,40 +6,26 @@ changes it, the same rank without recompute.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
+from ..memory import max_device_memory_gib
+
 PARTS = (("weights_gib", "parameters", "#3b75af"), ("grads_gib", "gradients", "#6fa8dc"),
          ("optimizer_gib", "optimizer states", "#d9822b"), ("activations_gib", "activations", "#4f9d4f"),
          ("logits_gib", "logits (fp32)", "#9e6fb8"))
-_UNITS = {"": 1.0, "B": 2.0 ** -30, "K": 2.0 ** -20, "KB": 2.0 ** -20, "M": 2.0 ** -10, "MB": 2.0 ** -10,
-          "G": 1.0, "GB": 1.0, "T": 1024.0, "TB": 1024.0}
-
-
-def parse_memory_gib(value: Any) -> Optional[float]:
-    """MindSpore's context.max_device_memory ("58GB", "1024MB", 58) -> GiB; None when it cannot be read."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value) if value > 0 else None
-    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?B?)\s*", str(value), re.IGNORECASE)
-    if not found:
-        return None
-    gib = float(found.group(1)) * _UNITS[found.group(2).upper()]
-    return gib if gib > 0 else None
 
 
 def device_memory_from_yaml(path: Path | str) -> Optional[float]:
-    """context.max_device_memory of a MindFormers YAML, in GiB (None when absent or unreadable)."""
+    """context.max_device_memory of a MindFormers YAML file, in GiB (None when absent or unreadable)."""
     import yaml
 
     try:
         raw = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError, UnicodeDecodeError):
         return None
-    ctx = raw.get("context") if isinstance(raw, dict) else None
-    return parse_memory_gib(ctx.get("max_device_memory")) if isinstance(ctx, dict) and ctx.get(
-        "max_device_memory") is not None else None
+    return max_device_memory_gib(raw)
 
 
 def _no_estimate(plan: Any) -> str:

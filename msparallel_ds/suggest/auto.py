@@ -24,12 +24,11 @@ def is_auto_parallel(data: Any) -> bool:
 
 def _device_memory(data: dict) -> float:
     """context.max_device_memory ("58GB": MindSpore means GiB), else this machine's accelerator, else 80 GiB."""
-    from .output import parse_bytes
+    from ..memory import max_device_memory_gib
 
-    ctx = data.get("context") if isinstance(data.get("context"), dict) else {}
-    text = ctx.get("max_device_memory")
-    if text:
-        return parse_bytes(str(text).upper().replace("GB", "GIB"))
+    gib = max_device_memory_gib(data)
+    if gib:
+        return gib * GIB
     try:
         import torch
 
