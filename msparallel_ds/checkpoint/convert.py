@@ -56,7 +56,7 @@ def target_spec(hf_config, adapter, names, tp: int, vocab_parallel: bool):
     return spec
 
 
-def _check_divisible(params: dict, spec, tp: int) -> None:
+def check_divisible(params: dict, spec, tp: int) -> None:
     from ..tensor_parallel.layers import divide
 
     for name in spec.split_names():
@@ -89,7 +89,7 @@ def convert_checkpoint(src: str, dst: str, config: Any, *, timeout: Optional[flo
                          "(engine.load(SRC))")
     hf_config, adapter = _adapter(ck["model_config"], need=tp > 1)
     spec = target_spec(hf_config, adapter, ck["params"], tp, plan.vocab_parallel)
-    _check_divisible(ck["params"], spec, tp)
+    check_divisible(ck["params"], spec, tp)
     # the HF model's parameter order (a pipeline checkpoint lists each rank's stages in turn), as the former
     # converter's meta model gave it, so converted files stay byte-identical
     order = adapter.parameter_order(ck["params"]) if adapter is not None else list(ck["params"])

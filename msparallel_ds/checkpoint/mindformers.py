@@ -29,17 +29,17 @@ __all__ = ["export_mindspore", "import_mindspore", "mindformers_to_hf"]
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _expected(model: MindFormersModel) -> dict[str, Tensor]:
-    """Every parameter of the HF model, on the meta device (no memory); a tied head is the embedding: listed once."""
+def _meta_model(model: MindFormersModel):
+    """The HF model on the meta device (no memory): its parameters are what a checkpoint must hold (a tied head is
+    the embedding: listed once), and the import assigns the checkpoint's tensors into it to save."""
     from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
-            hf = AutoModelForCausalLM.from_config(model.hf_config)
+            return AutoModelForCausalLM.from_config(model.hf_config)
     except (AssertionError, ValueError, RuntimeError, TypeError) as e:  # e.g. a pad_token_id past the vocab
         raise ValueError(f"the YAML's model.model_config does not build a {model.hf_config.model_type} model: "
                          f"{e}") from None
-    return dict(hf.named_parameters())
 
 
 def _mindformers_shapes(model: MindFormersModel, expected: dict[str, Tensor]) -> dict[str, tuple]:
@@ -68,17 +68,19 @@ def _check(hf: dict[str, Tensor], expected: dict, origin: dict[str, list[str]], 
 
 
 def mindformers_to_hf(src: str, config: str, *, strategy: Optional[str] = None,
-                      legacy_fused_layout: str = "interleaved") -> tuple[MindFormersModel, dict[str, Tensor], Any]:
-    """(model, HF-named full tensors in the model's order, the read report), every name and shape checked."""
+                      legacy_fused_layout: str = "interleaved") -> tuple[MindFormersModel, dict[str, Tensor], Any, Any]:
+    """(model, HF-named full tensors in the model's order, the read report, the HF model on meta), every name and
+    shape checked."""
     from .mindspore_files import read_mindspore_weights
 
     model = model_from_yaml(config, legacy_fused_layout=legacy_fused_layout)
-    expected = _expected(model)
+    meta = _meta_model(model)
+    expected = dict(meta.named_parameters())
     weights = read_mindspore_weights(src, strategy=strategy, full_shapes=_mindformers_shapes(model, expected))
     origin: dict[str, list[str]] = {}
     hf = to_hf(model.ops, weights.tensors, model.hf_config, origin=origin)
     _check(hf, {n: t.shape for n, t in expected.items()}, origin, set(weights.uncovered), f"{src} under {config}")
-    return model, {n: hf[n] for n in expected}, weights
+    return model, {n: hf[n] for n in expected}, weights, meta
 
 
 def _cast(tensors: dict[str, Tensor], dtype: Optional[str]) -> dict[str, Tensor]:
@@ -102,18 +104,12 @@ def _publish(tmp: str, dst: str) -> None:
     os.replace(tmp, dst)
 
 
-def _write_hf(tmp: str, model: MindFormersModel, tensors: dict[str, Tensor]) -> None:
-    """HF's own save_pretrained of the model holding these tensors (built on meta, the tensors assigned), so the
-    folder is in the format transformers writes (e.g. one matrix per expert for MoE models)."""
-    from transformers import AutoModelForCausalLM
-
-    floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
-    dtype = max(set(floats), key=floats.count) if floats else torch.float32
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(model.hf_config, dtype=dtype)
-    hf.load_state_dict(tensors, strict=True, assign=True)
-    hf.tie_weights()
-    hf.save_pretrained(tmp)
+def _write_hf(tmp: str, meta, tensors: dict[str, Tensor]) -> None:
+    """HF's own save_pretrained of the meta model with these tensors assigned, so the folder is in the format
+    transformers writes (e.g. one matrix per expert for MoE models)."""
+    meta.load_state_dict(tensors, strict=True, assign=True)
+    meta.tie_weights()
+    meta.save_pretrained(tmp)
 
 
 def _write_layout(tmp: str, model: MindFormersModel, tensors: dict[str, Tensor], layout_yaml: str, echo) -> None:
@@ -121,19 +117,16 @@ def _write_layout(tmp: str, model: MindFormersModel, tensors: dict[str, Tensor],
     layout_yaml's (pp 1, tp) coordinates by convert-checkpoint, or whole for a pipeline layout."""
     from ..config import load_config
     from ..plan import make_plan
-    from .convert import convert_checkpoint, target_spec
+    from .convert import check_divisible, convert_checkpoint, target_spec
     from .format import FILE, FORMAT, atomic_save, checksums
 
     plan = make_plan(load_config(layout_yaml))
     params = {n: {"fp32": t.float().contiguous()} for n, t in tensors.items()}
-    spec = target_spec(model.hf_config, model.adapter, params, plan.mesh.tp, plan.vocab_parallel)
-    for n in spec.split_names():  # heads / vocab that the new tp cannot split: an error before writing
-        if tensors[n].shape[spec[n].dim] % plan.mesh.tp:
-            raise ValueError(f"{n} {tuple(tensors[n].shape)}: dim {spec[n].dim} does not divide by "
-                             f"model_parallel={plan.mesh.tp} of {layout_yaml}")
     record = {"format": FORMAT, "params": params, "optimizer_step": 0.0, "global_steps": 0, "lr_scheduler": None,
               "model_config": model.hf_config.to_dict(), "checksum": "crc32", "checksums": checksums(params)}
-    if plan.mesh.pp > 1:  # engine.load slices the layout-independent file itself
+    if plan.mesh.pp > 1:  # engine.load slices the layout-independent file itself: check the tp split here
+        tp = plan.mesh.tp
+        check_divisible(params, target_spec(model.hf_config, model.adapter, params, tp, plan.vocab_parallel), tp)
         atomic_save(record, os.path.join(tmp, FILE))
         return
     whole = f"{tmp}-whole"
@@ -151,15 +144,15 @@ def import_mindspore(src: str, dst: str, config: str, *, strategy: Optional[str]
     """Import SRC (see the module docstring) into the new folder DST. Returns a report (files read, names dropped,
     tensors written)."""
     tmp = _fresh_dir(dst)
-    model, tensors, weights = mindformers_to_hf(src, config, strategy=strategy,
-                                                legacy_fused_layout=legacy_fused_layout)
+    model, tensors, weights, meta = mindformers_to_hf(src, config, strategy=strategy,
+                                                      legacy_fused_layout=legacy_fused_layout)
     tensors = _cast(tensors, dtype)
     os.makedirs(tmp, exist_ok=True)
     try:
         if to_layout:
             _write_layout(tmp, model, tensors, to_layout, echo)
         else:
-            _write_hf(tmp, model, tensors)
+            _write_hf(tmp, meta, tensors)
         _publish(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -199,7 +192,7 @@ def export_mindspore(src: str, dst: str, config: str, *, fmt: str = "ckpt", dtyp
         if saved.get(key) is not None and mine.get(key) is not None and saved[key] != mine[key]:
             raise ValueError(f"{src} is another model than {config} describes: {key}={saved[key]!r} in its "
                              f"config.json, {mine[key]!r} from the YAML; export with the YAML of this model")
-    _check(tensors, {n: t.shape for n, t in _expected(model).items()}, {}, set(), f"{src}")
+    _check(tensors, {n: p.shape for n, p in _meta_model(model).named_parameters()}, {}, set(), f"{src}")
     mf = to_mf(model.ops, _cast(tensors, dtype), model.hf_config, fused=model.qkv_concat)
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
     if fmt == "ckpt":
