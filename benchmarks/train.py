@@ -37,6 +37,7 @@ msp_dp should agree to float32 reduction order).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -51,7 +52,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _ranks import run_ranks  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
+from _collectives import count_collectives  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
+from _ranks import run_ranks  # noqa: E402
 
 VARIANTS = ("ds_zero2", "msp_dp", "msp_tp", "msp_tp_sp", "ds_autotp")
 BASELINE = "ds_zero2"
@@ -223,22 +225,28 @@ def _rank_main(rank: int, world: int, name: str, args: dict) -> dict:
     else:
         step, global_loss, ds_cfg = _msp_engine(model, args, lay)
     marks["engine"] = time.perf_counter()
-    times, cpu_times, losses = [], [], []
+    times, cpu_times, losses, counted = [], [], [], {}
     for i, ids in enumerate(batches):
         dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        loss = step(ids)
-        if cuda:
-            torch.cuda.synchronize()
+        counting = args.get("count_collectives") and i >= args["warmup"]  # a profile pass: not a timing run
+        with count_collectives() if counting else contextlib.nullcontext(counted) as counts:
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = step(ids)
+            if cuda:
+                torch.cuda.synchronize()
         if i >= args["warmup"]:
             times.append(time.perf_counter() - t0)
             cpu_times.append(time.process_time() - c0)
+        for key, (calls, nbytes) in counts.items() if counting else ():
+            total = counted.setdefault(key, [0, 0])
+            total[0], total[1] = total[0] + calls / args["steps"], total[1] + nbytes / args["steps"]
         losses.append(global_loss(loss))
     marks["steps"] = time.perf_counter()
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _peak_rss_mib()
     keys = list(marks)
     res = {"phases_s": {k: marks[k] - marks[p] for p, k in itertools.pairwise(keys)}, "times_s": times,
            "cpu_times_s": cpu_times, "losses": losses, "peak_mib": peak, "base_mib": base,
+           "collectives_per_step": counted,
            "ds_config": json.loads(json.dumps(ds_cfg, default=str)) if rank == 0 else None}
     return res
 
@@ -257,7 +265,7 @@ def _run_group(name: str, args: dict) -> dict:
             "rank_cpu_times_s": [r["cpu_times_s"] for r in ranks], "median_step_s": med, "tokens_per_s": tokens / med,
             "cpu_s_per_step": cpu_times, "tokens_per_cpu_s": tokens / cpu_med,
             "peak_mib_per_rank": [r["peak_mib"] for r in ranks], "base_mib_per_rank": [r["base_mib"] for r in ranks],
-            "losses": ranks[0]["losses"], "final_loss": ranks[0]["losses"][-1], "ds_config": ranks[0]["ds_config"],
+            "collectives_per_step": ranks[0]["collectives_per_step"], "losses": ranks[0]["losses"], "final_loss": ranks[0]["losses"][-1], "ds_config": ranks[0]["ds_config"],
             "phases_s": {k: max(r["phases_s"][k] for r in ranks) for k in ranks[0]["phases_s"]}, "wall_s": wall}
 
 

@@ -35,9 +35,9 @@ from torch import Tensor, nn
 
 from . import runtime
 from .context_parallel.batch import inputs_and_targets
-from .distributed.collectives import sum_over
+from .distributed.collectives import start_sum_over, sum_over
 from .distributed.layout import ParallelLayout
-from .loss import check_batch, check_finite_step, global_token_counts, grads_norm_flag, token_loss_sum
+from .loss import check_batch, check_finite_step, grads_norm_flag, start_global_token_counts, token_loss_sum
 from .strategy import Applied
 
 __all__ = ["Engine", "initialize"]
@@ -97,17 +97,19 @@ class Engine:
         (detached, float32) on every rank."""
 
         ids, labels = self._check_batch(batch)
-        dp = self.layout.size("dp")
+        dp, gas = self.layout.size("dp"), self.gradient_accumulation_steps
         mtp = self.applied.mtp  # each MTP depth's token count joins the LM's in one all-reduce
-        counts = global_token_counts([labels, *(mtp.shifted_labels(labels) if mtp is not None else [])], self.layout,
-                                     self.device)
-        n_tokens, mtp_counts = counts[0], counts[1:]
-        mtp_total = torch.zeros(len(mtp_counts), dtype=torch.float32, device=self.device)
+        all_labels = [labels, *(mtp.shifted_labels(labels) if mtp is not None else [])]
+        # The two step-level all-reduces (global token count, step loss) run behind the forward and the last
+        # backward: started before, waited where the value is first needed (plain DeepSpeed makes neither).
+        counts_ready = start_global_token_counts(all_labels, self.layout, self.device)
+        counts = None
+        mtp_total = torch.zeros(len(all_labels) - 1, dtype=torch.float32, device=self.device)
         self.model.train()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         interleave = self.applied.interleave
         summed_copies = interleave is not None and interleave.copy_loss == "sum"  # MindSpore's (interleave.multi_copy)
-        for m in range(self.gradient_accumulation_steps):
+        for m in range(gas):
             rows = slice(m * self.micro_batch_size, (m + 1) * self.micro_batch_size)
             micro = self._micro(batch, rows)
             inputs, targets = inputs_and_targets(micro, self.layout)
@@ -118,22 +120,25 @@ class Engine:
                 from .interleave.multi_copy import copy_loss_terms
 
                 loss = copy_loss_terms(self._token_loss_sum, logits, targets, labels[rows], interleave.copies)
-                self.ds.backward(loss / self.gradient_accumulation_steps, scale_wrt_gas=False)
-                total += loss.detach().float()
-                self._before_step(m, total)
+                total_ready = self._add_to_total(m, total, loss)
+                self.ds.backward(loss / gas, scale_wrt_gas=False)
+                self._before_step(m, total_ready)
                 self.ds.step()
                 continue
             loss_sum = self._token_loss_sum(logits, targets)
-            loss = loss_sum * (self._grad_divisor / n_tokens)
+            counts = counts if counts is not None else counts_ready()
+            loss = loss_sum * (self._grad_divisor / counts[0])
             if mtp is not None:  # mtp_loss_scaling_factor / D x each depth's token mean, logged apart
                 sums = mtp.loss_sums(self.applied.output_head(self.model), mtp_targets)
                 loss = loss + sum(s_ * (self._grad_divisor * mtp.scale / mtp.depth / n)
-                                  for s_, n in zip(sums, mtp_counts))
+                                  for s_, n in zip(sums, counts[1:]))
                 mtp_total += torch.stack([s_.detach().float() for s_ in sums])
+            total_ready = self._add_to_total(m, total, loss_sum)
             self.ds.backward(loss, scale_wrt_gas=False)
-            total += loss_sum.detach().float()
-            self._before_step(m, total)
+            self._before_step(m, total_ready)
             self.ds.step()
+        counts = counts if counts is not None else counts_ready()
+        n_tokens, mtp_counts = counts[0], counts[1:]
         self._after_step()
         self._log_aux_loss()
         if mtp is not None:  # each depth's global token-mean cross-entropy, averaged over depths
@@ -142,8 +147,16 @@ class Engine:
             self.applied.expert_bias.update()
         self.global_steps += 1
         if summed_copies:  # MindFormers logs the summed loss / N; averaged over dp ranks and micro-batches
-            return total / (dp * self.gradient_accumulation_steps * interleave.copies)
+            return total / (dp * gas * interleave.copies)
         return total / n_tokens
+
+    def _add_to_total(self, micro: int, total: Tensor, loss_sum: Tensor) -> Optional[Callable[[], Tensor]]:
+        """Add a micro-batch's loss sum to the step's total; at the last micro-batch start summing the total over
+        dp x cp (before its backward, which then hides the latency) and return the wait for it."""
+        total += loss_sum.detach().float()
+        if micro != self.gradient_accumulation_steps - 1:
+            return None
+        return start_sum_over(self.layout, "dp_cp", total)
 
     def _log_aux_loss(self) -> None:
         """The step's aux + z loss: every shard's share (recorded by the backward of each micro-batch) summed over
@@ -155,25 +168,29 @@ class Engine:
         sum_over(self.layout, "tp", t)
         self.last_aux_loss = float(t) / self.gradient_accumulation_steps
 
-    def _before_step(self, micro: int, total: Tensor) -> None:
+    def _before_step(self, micro: int, total_ready: Optional[Callable[[], Tensor]]) -> None:
         """At the accumulation boundary, before DeepSpeed's optimizer step: the step's loss summed over dp x cp (the
-        global value on every rank) must be finite, and our own clipping runs. fp16 keeps DeepSpeed's dynamic loss
-        scaling, which skips an overflowing step and counts it (as MindSpore does), so it is not checked here."""
+        global value on every rank, from _add_to_total's wait) must be finite, and our own clipping runs. fp16 keeps
+        DeepSpeed's dynamic loss scaling, which skips an overflowing step and counts it (as MindSpore does), so it is
+        not checked here."""
         if micro != self.gradient_accumulation_steps - 1:
             return
-        sum_over(self.layout, "dp_cp", total)
+        total = total_ready()
         guard = not self.ds.fp16_enabled()
         if guard:
             check_finite_step(self.global_steps, loss=total)
-        params = [p for p in self.model.parameters() if p.requires_grad and p.grad is not None]
         if self._own_clip:  # grads are reduced at the boundary
             from .distributed.collectives import clip_grad_norm_
 
-            self._own_norm = float(clip_grad_norm_(params, self._own_clip, self.layout, device=self.device))
+            self._own_norm = float(clip_grad_norm_(self._grads(), self._own_clip, self.layout, device=self.device))
             if guard:
                 check_finite_step(self.global_steps, grad_norm=self._own_norm)
         elif guard and self.ds.zero_optimization_stage() == 0:  # DeepSpeed's ZeRO-0 step keeps no norm
-            check_finite_step(self.global_steps, grad_norm=grads_norm_flag(params, self.device))
+            check_finite_step(self.global_steps, grad_norm=grads_norm_flag(self._grads(), self.device))
+
+    def _grads(self) -> list:
+        """The parameters holding a gradient (listed only where a step needs them: the walk costs per step)."""
+        return [p for p in self.model.parameters() if p.requires_grad and p.grad is not None]
 
     def _after_step(self) -> None:
         """DeepSpeed computes the global gradient norm inside its step: a non-finite one stops the run at this step

@@ -7,7 +7,7 @@ ignored labels weigh tokens exactly as one process would.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import math
 
@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .labels import IGNORE_INDEX, shift_labels
-from .distributed.collectives import sum_over
+from .distributed.collectives import start_sum_over
 from .distributed.layout import ParallelLayout
 
-__all__ = ["check_batch", "check_finite_step", "global_token_count", "global_token_counts", "grads_norm_flag",
-           "token_loss_sum"]
+__all__ = ["check_batch", "check_finite_step", "global_token_count", "global_token_counts",
+           "start_global_token_counts", "grads_norm_flag", "token_loss_sum"]
 
 
 def check_batch(batch: Mapping[str, Any], engine, accumulation_key: str) -> tuple[Tensor, Tensor]:
@@ -163,8 +163,15 @@ def global_token_count(labels: Tensor, layout: ParallelLayout, device) -> Tensor
 
 def global_token_counts(labels: Sequence[Tensor], layout: ParallelLayout, device) -> Tensor:
     """global_token_count of several label tensors (e.g. the LM's and each MTP depth's) with one all-reduce."""
+    return start_global_token_counts(labels, layout, device)()
+
+
+def start_global_token_counts(labels: Sequence[Tensor], layout: ParallelLayout, device) -> Callable[[], Tensor]:
+    """global_token_counts with the all-reduce started now; the returned wait() gives the counts (the step's
+    forward runs meanwhile, so the count costs no latency of its own)."""
     counts = torch.stack([(shift_labels(t) != IGNORE_INDEX).sum() for t in labels]).to(torch.float32).to(device)
-    return sum_over(layout, "dp", counts).clamp_min(1.0)
+    wait = start_sum_over(layout, "dp", counts)
+    return lambda: wait().clamp_min(1.0)
 
 
 def token_loss_sum(logits: Tensor, targets: Tensor, head: Optional[nn.Module]) -> Tensor:

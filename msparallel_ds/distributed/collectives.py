@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .layout import ParallelLayout
 
 __all__ = ["all_reduce", "all_gather_along", "all_to_all_v", "exchange_counts", "reduce_scatter_along",
-           "split_along", "gather_ints", "dtype_code", "sum_over", "all_reduce_flat", "clip_grad_norm_"]
+           "split_along", "gather_ints", "dtype_code", "sum_over", "start_sum_over", "all_reduce_flat", "clip_grad_norm_"]
 
 
 # ---------------------------------------------------------------------------------------------- group-level
@@ -159,6 +159,20 @@ def sum_over(layout: ParallelLayout, name: str, t: Tensor) -> Tensor:
     if layout.size(name) > 1:
         dist.all_reduce(t, group=layout.group(name))
     return t
+
+
+def start_sum_over(layout: ParallelLayout, name: str, t: Tensor) -> Callable[[], Tensor]:
+    """Start summing t in place over layout dim `name`; returns wait(), which gives t once summed. The collective's
+    latency then hides behind whatever runs between the two (a forward, a backward)."""
+    if layout.size(name) <= 1:
+        return lambda: t
+    work = dist.all_reduce(t, group=layout.group(name), async_op=True)
+
+    def wait() -> Tensor:
+        work.wait()
+        return t
+
+    return wait
 
 
 def all_reduce_flat(tensors: Sequence[Tensor], layout: ParallelLayout, name: str) -> None:

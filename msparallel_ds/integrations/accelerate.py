@@ -297,6 +297,14 @@ class MindFormersAccelerator(Accelerator):
             out /= self.layout.size("dp")
         return out
 
+    def end_training(self):
+        """Every rank meets before the process groups are shut down: a rank whose gloo pairs close while a peer is
+        still leaving its last collective can abort that peer at exit (CI once: SIGABRT, 'terminate called without
+        an active exception', after all steps had run)."""
+        if dist.is_initialized():
+            dist.barrier()
+        super().end_training()
+
     def gather_for_metrics(self, input_data, use_gather_object=False):
         """accelerate's gather_for_metrics with one copy per dp replica (tensors; objects are gathered as is)."""
         self._msp_dedup = True
