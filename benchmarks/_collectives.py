@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 from contextlib import contextmanager
 
-OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
+OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+       "reduce_scatter_tensor", "reduce_scatter_single", "broadcast",
        "reduce", "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 

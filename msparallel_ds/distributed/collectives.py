@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from .layout import ParallelLayout
 
 __all__ = ["all_reduce", "all_gather_along", "all_to_all_v", "exchange_counts", "reduce_scatter_along",
-           "split_along", "gather_ints", "dtype_code", "sum_over", "start_sum_over", "all_reduce_flat", "clip_grad_norm_"]
+           "start_reduce_scatter", "split_along", "gather_ints", "dtype_code", "sum_over", "start_sum_over",
+           "all_reduce_flat", "clip_grad_norm_"]
 
 
 # ---------------------------------------------------------------------------------------------- group-level
@@ -89,6 +90,41 @@ def all_gather_along(x: Tensor, group, dim: int) -> Tensor:
     return out.unflatten(0, (n, x.shape[0])).movedim(0, dim).flatten(dim, dim + 1)
 
 
+_NATIVE_RS: dict = {}
+
+
+def _native_reduce_scatter(group) -> bool:
+    """Whether the group's backend has a real reduce-scatter. gloo's reduce_scatter_tensor is a full all-reduce of a
+    clone plus a copy of this rank's block (ProcessGroupGloo::reduce_scatter_tensor_coalesced, torch 2.x): it moves
+    all-reduce bytes, so sequence parallel paid an all-reduce AND an all-gather where tp alone pays one all-reduce.
+    There an all-to-all of the destination blocks and a local sum move what a reduce-scatter should."""
+    key = id(group)
+    if key not in _NATIVE_RS:
+        _NATIVE_RS[key] = dist.get_backend(group) != "gloo"
+    return _NATIVE_RS[key]
+
+
+def start_reduce_scatter(send: Tensor, group, async_op: bool = False) -> tuple[Optional[object], Callable[[], Tensor]]:
+    """Reduce-scatter of `send` [n, *block] (contiguous, destination rank first): (work, finish() -> this rank's
+    summed block). Blocking when not async_op (work is then None or done). `send` is never written."""
+    if not _native_reduce_scatter(group):
+        recv = torch.empty_like(send)  # recv[i] = rank i's block for this rank, summed in rank order
+        work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+        return work, (lambda: recv.sum(0))
+    out = send.new_empty(send.shape[1:])
+    try:
+        work = (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+            out, send.flatten(0, 1), group=group, async_op=async_op)
+        return work, (lambda: out)
+    except (RuntimeError, NotImplementedError) as e:
+        if not _unsupported(e):
+            raise
+    summed = send.clone()  # send may be a view of the caller's tensor: reduce a copy
+    work = dist.all_reduce(summed, group=group, async_op=async_op)
+    rank = dist.get_rank(group)
+    return work, (lambda: summed[rank])
+
+
 def reduce_scatter_along(x: Tensor, group, dim: int) -> Tensor:
     """Sum of every rank's x, of which this rank keeps its slice along dim."""
     n = _size(group)
@@ -98,14 +134,7 @@ def reduce_scatter_along(x: Tensor, group, dim: int) -> Tensor:
     piece = _chunk(x, group, dim)
     t0 = sync_start()
     send = x.unflatten(dim, (n, piece)).movedim(dim, 0).contiguous()  # destination rank first (concat form)
-    out = x.new_empty(send.shape[1:])
-    try:
-        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, send.flatten(0, 1),
-                                                                                      group=group)
-    except (RuntimeError, NotImplementedError) as e:
-        if not _unsupported(e):
-            raise
-        out = all_reduce(send, group)[dist.get_rank(group)]  # send may be a view of x: out of place
+    out = start_reduce_scatter(send, group)[1]()
     sync_done(t0, "reduce_scatter", bus_bytes("reduce_scatter", send, n))
     return out
 
