@@ -11,9 +11,11 @@ Per chunk, a step runs until it has started a collective (overlap.issue) and the
 (schedule.round_robin) runs the next chunk (or copy), and the chunk waits for its result only when it resumes:
 
     A  wait(prev layer's FFN reduce) + residual, norm, issue gather -> yield -> wait + q/k/v GEMMs (wait_linears)
-       concat q/k/v of all chunks, attention on the whole (its own cp ring/all-gather inside), split
-    B  out-proj, issue reduce -> yield -> wait + residual, norm, issue gather -> yield -> wait + gate/up GEMMs,
-       down-proj, issue reduce; the result is waited at the next layer's A (or by run_layers after the last layer)
+       concat q/k/v of all chunks, attention on the whole (its own cp ring/all-gather inside), split -> yield
+    B  out-proj, issue reduce -> yield -> wait + residual, norm, issue gather -> yield -> wait + gate/up GEMMs
+       -> yield -> act, down-proj, issue reduce; the result is waited at the next layer's A (or by run_layers)
+The yields without a collective split each GEMM block in two, so every collective of another copy has a GEMM
+step (not only a norm) between its issue and its wait.
 
 Collectives: with sequence parallel the gather is an all-gather and the reduce a reduce-scatter along the sequence
 (backward: the transposes); without it the gather is Megatron's f (identity, all-reduce of the input grad) and the
@@ -107,7 +109,8 @@ def split_chunks(h: Tensor, n: int) -> list[Tensor]:
     if h.shape[SEQ_DIM] % n:
         raise ValueError(f"fine_grain_interleave={n}: this rank's sequence length {h.shape[SEQ_DIM]} (after the "
                          f"sequence-parallel / cp split) is not divisible by {n}; use a seq_length that is a multiple "
-                         f"of {n} x model_parallel x context_parallel (x2 for a causal ring), or fine_grain_interleave: 1")
+                         f"of {n} x model_parallel x context_parallel (x2 for a causal ring), or "
+                         "fine_grain_interleave: 1")
     return list(h.chunk(n, SEQ_DIM))
 
 
@@ -137,10 +140,12 @@ def _to_chunk_order(x: Tensor, n: int, tp: int) -> list[Tensor]:
 
 # ---------------------------------------------------------------------------------------------- the layer
 def layer_steps(layer: nn.Module, parts: Optional[LayerParts], hs: list, kw: dict[str, Any], *, index: int = 0,
-                copy: Any = 0):
+                copy: Any = 0, lag: int = 0):
     """Generator: run `layer` (its adapter's `parts`) on the chunks `hs` (tensors or Pending) of one copy; yields
-    after every collective it starts; returns the chunks' outputs (Pending: the last reduce may still be in
-    flight). `kw`: the HF layer kwargs for this copy (position_embeddings, attention_mask, position_ids, ...)."""
+    after every collective it starts and in the middle of the attention and FFN blocks; returns the chunks'
+    outputs (Pending: the last reduce may still be in flight). `kw`: the HF layer kwargs for this copy
+    (position_embeddings, attention_mask, position_ids, ...). lag: extra yields before the first gather is
+    issued, so this copy runs that many steps behind the copies before it (see multi_copy.copy_steps)."""
     if not decomposable(layer, parts):
         out = layer(join_chunks([resolve(h) for h in hs]), **kw)  # its own pre-hooks and blocking collectives
         return split_chunks(mark_compute(out, f"L{index}.whole"), len(hs))
@@ -156,6 +161,8 @@ def layer_steps(layer: nn.Module, parts: Optional[LayerParts], hs: list, kw: dic
         h = resolve(hs[j])
         residual[j] = h
         x = mark_compute(parts.input_norm(h), f"L{index}.norm1")
+        for _ in range(lag):
+            yield
         link = AsyncCollective(kinds.gather, kinds.group, SEQ_DIM, name=f"L{index}.qkv_in")
         token = issue(x, link)
         yield
@@ -165,6 +172,7 @@ def layer_steps(layer: nn.Module, parts: Optional[LayerParts], hs: list, kw: dic
     q, k, v = (_to_sequence_order([c[i] for c in qkv], kinds.tp if kinds.sp else 1) for i in range(3))
     o = mark_compute(parts.attention(q, k, v, kw), f"L{index}.attention")
     o_chunks = _to_chunk_order(o, n, kinds.tp if kinds.sp else 1)
+    yield  # QKV + attention and out-proj are two steps: each can cover one collective of another copy
 
     def part_b(j):  # out-proj + residual + norm + FFN of chunk j; the FFN's reduce is left in flight
         y = mark_compute(F.linear(o_chunks[j], parts.attn_out.weight), f"L{index}.attn_out")
@@ -177,6 +185,7 @@ def layer_steps(layer: nn.Module, parts: Optional[LayerParts], hs: list, kw: dic
         token = issue(x, link)
         yield
         gate, up = wait_linears(token, link, [w for w, _ in gate_up_w], [b for _, b in gate_up_w])
+        yield  # gate/up and act + down-proj are two steps, like the attention block
         y = F.linear(mark_compute(parts.act(gate) * up, f"L{index}.ffn"), parts.ffn_out.weight)
         link = AsyncCollective(kinds.reduce, kinds.group, SEQ_DIM, name=f"L{index}.ffn_out")
         pending = Pending(h, issue(y, link), link, parts.ffn_out)

@@ -4,8 +4,10 @@ one copy's tensor/sequence-parallel collective is in flight while another copy c
 The schedule is written once, for any N: every copy is a generator (`copy_steps`) that runs the decoder layers as
 steps (fine_grain.layer_steps) and yields right after it has started a collective (overlap.issue, async_op=True);
 `round_robin` resumes the copies in turn, and a copy waits for its collective only when it resumes and needs the
-result. With N = 2 and SP, per layer and copy: [norm, all-gather] [wait, QKV, attention, out-proj, reduce-scatter]
-[wait, residual, norm, all-gather] [wait, FFN, reduce-scatter], copy 1's bracket between copy 0's issue and wait.
+result. With SP, per layer and copy: [norm, all-gather] [wait, QKV, attention] [out-proj, reduce-scatter] [wait,
+residual, norm, all-gather] [wait, gate/up] [act, down-proj, reduce-scatter]. Copy c starts c % 3 steps behind copy
+0 (copy_lag), so the step another copy runs inside a norm-step's window is a GEMM step, not the same short norm
+step (in lockstep every second collective had only a norm to hide behind).
 
 Backward needs no scheduler: eager autograd runs ready nodes in reverse creation order, so the interleaved forward
 gives an interleaved backward. Each wait node's backward starts the transposed collective (reduce-scatter of the
@@ -56,6 +58,11 @@ COPY_LOSS_MODES = ("mean", "sum")
 
 
 # ---------------------------------------------------------------------------------------------- one copy
+def copy_lag(copy: int) -> int:
+    """Steps copy `copy` runs behind copy 0: a half-layer is 3 steps (norm + gather, GEMMs, GEMM + reduce)."""
+    return copy % 3
+
+
 def copy_steps(layers: Sequence[tuple[int, nn.Module, Optional[LayerParts]]], h: Tensor, kw: dict, *, copy: int = 0,
                fine_grain: int = 1, scatter_group=None):
     """Generator: one copy through `layers` ((index, layer, parts) each); yields after each collective it starts;
@@ -63,8 +70,8 @@ def copy_steps(layers: Sequence[tuple[int, nn.Module, Optional[LayerParts]]], h:
     if layers and scatter_group is not None and decomposable(layers[0][1], layers[0][2]):
         h = scatter_to_region(h, scatter_group, SEQ_DIM)  # what that layer's own pre-hook would do (bypassed here)
     hs = split_chunks(h, fine_grain) if len(layers) else [h]
-    for index, layer, parts in layers:
-        hs = yield from layer_steps(layer, parts, hs, kw, index=index, copy=copy)
+    for i, (index, layer, parts) in enumerate(layers):
+        hs = yield from layer_steps(layer, parts, hs, kw, index=index, copy=copy, lag=0 if i else copy_lag(copy))
     return join_chunks([resolve(h) for h in hs])
 
 
