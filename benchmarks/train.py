@@ -265,7 +265,8 @@ def _run_group(name: str, args: dict) -> dict:
             "rank_cpu_times_s": [r["cpu_times_s"] for r in ranks], "median_step_s": med, "tokens_per_s": tokens / med,
             "cpu_s_per_step": cpu_times, "tokens_per_cpu_s": tokens / cpu_med,
             "peak_mib_per_rank": [r["peak_mib"] for r in ranks], "base_mib_per_rank": [r["base_mib"] for r in ranks],
-            "collectives_per_step": ranks[0]["collectives_per_step"], "losses": ranks[0]["losses"], "final_loss": ranks[0]["losses"][-1], "ds_config": ranks[0]["ds_config"],
+            "collectives_per_step": ranks[0]["collectives_per_step"], "losses": ranks[0]["losses"],
+            "final_loss": ranks[0]["losses"][-1], "ds_config": ranks[0]["ds_config"],
             "phases_s": {k: max(r["phases_s"][k] for r in ranks) for k in ranks[0]["phases_s"]}, "wall_s": wall}
 
 
@@ -286,6 +287,29 @@ def _preload(args: dict) -> None:
             pass
     if args["device"] == "cpu":
         _model(args)  # the first build also resolves transformers' lazy imports (attention, init functions)
+
+
+def _memory_columns(name: str, args: dict, row: dict, world: int) -> dict:
+    """The plan's per-rank memory estimate of an msp variant (estimate_memory of its plan: the busiest rank) next to
+    the measured peak of tensor memory per rank: on CPU from one separate untimed run (benchmarks/memory.py: torch
+    profiler allocation events, not RSS), on CUDA torch.cuda.max_memory_allocated of the timed runs."""
+    import memory as memory_bench  # benchmarks/memory.py (imports this module: loaded here, not at the top)
+
+    import msparallel_ds as msp
+    from msparallel_ds.memory import estimate_memory
+
+    lay = _layout(name, world, args["tp"])
+    layout = (lay["dp"], lay["tp"], 1, lay["sp"], None)
+    est = estimate_memory(msp.make_plan(msp.load_config(memory_bench.layout_yaml(args, layout)), world_size=world))
+    if args["device"] == "cuda":
+        measured = row.get("peak_mib_per_rank")
+    else:
+        ranks, failed, _ = memory_bench.measure(layout, {**args, "memory_steps": 2, "breakdown": False})
+        measured = max(r["measured"]["peak_mib"] for r in ranks) if ranks else None
+        if failed:
+            return {"estimate_mib_per_rank": est.total_gib * 1024, "memory_error": failed["error"]}
+    return {"estimate_mib_per_rank": est.total_gib * 1024, "tensor_peak_mib_per_rank": measured,
+            "estimate_ratio": est.total_gib * 1024 / measured if measured else None}
 
 
 def _summarise(name: str, runs: list, base_runs: list, lay: dict) -> dict:
@@ -312,10 +336,17 @@ def _summarise(name: str, runs: list, base_runs: list, lay: dict) -> dict:
             "max_loss_diff_vs_baseline": max(loss_diffs) if loss_diffs else None, "failed_repeats": len(runs) - len(ok)}
 
 
+def _memory_cells(r: dict) -> str:
+    cells = [(r.get("estimate_mib_per_rank"), 8, ".1f"), (r.get("tensor_peak_mib_per_rank"), 10, ".1f"),
+             (r.get("estimate_ratio"), 8, ".3f")]
+    return " ".join(f"{v:{w}{f}}" if v is not None else f"{'-':>{w}}" for v, w, f in cells)
+
+
 def _print(rows: list, args: dict) -> None:
     mem = "peak MiB/rank" if args["device"] == "cuda" else "peak RSS MiB/rank"
     head = (f"{'variant':<10} {'layout':<14} {'tokens/s':>9} {'x ' + BASELINE:>11} {'tok/CPU-s':>9} "
-            f"{'x ' + BASELINE:>11} {mem:>17} {'delta MiB':>9} {'final loss':>10}")
+            f"{'x ' + BASELINE:>11} {mem:>17} {'delta MiB':>9} {'final loss':>10} {'est MiB':>8} "
+            f"{'tensor MiB':>10} {'est/meas':>8}")
     print(head)
     print("-" * len(head))
 
@@ -328,10 +359,13 @@ def _print(rows: list, args: dict) -> None:
             continue
         print(f"{r['variant']:<10} {r['layout']:<14} {r['tokens_per_s']:9.0f} {ratio(r['ratio_vs_baseline'])} "
               f"{r['tokens_per_cpu_s']:9.0f} {ratio(r['cpu_ratio_vs_baseline'])} {r['peak_mib_per_rank']:17.0f} "
-              f"{r['delta_mib_per_rank']:9.0f} {r['final_loss']:10.5f}")
+              f"{r['delta_mib_per_rank']:9.0f} {r['final_loss']:10.5f} " + _memory_cells(r))
     print(f"tokens/s: global tokens per step / median step time (slowest rank), median of {args['repeats']} "
           f"interleaved repeats; tok/CPU-s: the same tokens / CPU seconds all ranks spent on the step (less "
-          f"sensitive to other load on shared cores); ratios: median of per-repeat ratios to {BASELINE}.")
+          f"sensitive to other load on shared cores); ratios: median of per-repeat ratios to {BASELINE}. est MiB: "
+          f"the plan's estimate_memory per rank (msp variants); tensor MiB: measured peak of torch tensor bytes per "
+          f"rank (CPU: one separate untimed run, torch profiler allocation events, benchmarks/memory.py; CUDA: "
+          f"max_memory_allocated); est/meas: their ratio.")
 
 
 def main() -> None:
@@ -385,6 +419,9 @@ def main() -> None:
             print(f"[repeat {rep + 1}/{a.repeats}] {name:<10} {status} ({res['wall_s']:.1f} s)", flush=True)
     by_rep = {n: sorted(raw[n], key=lambda r: r["repeat"]) for n in names}
     rows = [_summarise(n, by_rep[n], by_rep[BASELINE], _layout(n, a.world, a.tp)) for n in names]
+    for row in rows:  # after the timed repeats, never inside them
+        if row["variant"].startswith("msp_") and "error" not in row:
+            row.update(_memory_columns(row["variant"], args, row, a.world))
     print()
     _print(rows, args)
     report = {
@@ -402,6 +439,12 @@ def main() -> None:
                              if a.device == "cuda" else
                              "ru_maxrss (process RSS incl. Python/torch/DeepSpeed); delta over VmRSS after the "
                              "model is built, before the engine"),
+                  "estimate_mib_per_rank": "msparallel_ds.memory.estimate_memory(plan).total_gib of the variant's "
+                                           "plan (model_config with the model's ffn size and flash attention)",
+                  "tensor_peak_mib_per_rank": ("torch.cuda.max_memory_allocated" if a.device == "cuda" else
+                                               "peak torch tensor bytes per rank (max over ranks) over the 2nd of "
+                                               "2 steps of a separate untimed run: torch profiler allocation "
+                                               "events from before the model is built (benchmarks/memory.py)"),
                   "ds_autotp": "DeepSpeed config 'tensor_parallel': {'autotp_size': tp} (deepspeed.tp_model_init is "
                                "record-only in 0.19.x: sharding happens in deepspeed.initialize). For Llama it follows "
                                "the HF base_model_tp_plan: q/k/v/gate/up column, o/down row (all-reduce), lm_head "

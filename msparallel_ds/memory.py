@@ -5,19 +5,30 @@ Assumptions (stated so the numbers can be checked):
   ffn_hidden_size or 8h/3 rounded up to 256, two norms 2h; MoE and MTP layers); embedding and an untied output head
   V*h each, split over tp when vocab parallel. The worst rank holds the busiest pipeline stage plus the embedding
   (first stage) or the head; with MTP layers and pp > 1 the last stage holds the embedding too.
-- Bytes: weights and gradients in the compute dtype (bf16/fp16: 2, fp32: 4); Adam state 12 bytes/param in mixed
-  precision (fp32 master + m + v) or 8 in fp32. ZeRO-1 divides optimizer state, ZeRO-2 also gradients, ZeRO-3
-  also weights, by dp x cp.
-- Activations per layer and micro-batch (Korthikanti et al. 2022) with s = seq/cp, b = batch_size x
-  micro_batch_interleave_num, h = hidden, a = heads, t = tp: 34*s*b*h/t with sequence parallel,
-  s*b*h*(10 + 24/t) without; plus 5*a*s*s*b/t for the attention matrix unless flash attention is on. With MLA
-  the 8*s*b*h of q, k, v and the output projection's input become 4*s*b*(q + v) with q = a*(nope+rope) (q and k)
-  and v = a*v_head_dim (v and the projection input); the low-rank latents are not counted. MTP layers count as
-  decoder layers of the last stage (mcore places them outside the layer split).
-  Full recompute keeps only the layer input, 2*s*b*h (/t with sequence parallel). Pipeline 1F1B keeps
-  min(micro_batch_num, pp) micro-batches in flight on the first stage (all of them for GPipe).
-- Logits: fp32 s*b*V (/t when vocab parallel) on the last stage. Buffers, fragmentation and communication
-  scratch space are not counted.
+- Bytes: weights and gradients in the compute dtype (bf16/fp16: 2, fp32: 4). Optimizer state: Adam's m and v in
+  fp32 (8 bytes/param) plus an fp32 master copy (4) in mixed precision, and also in fp32 under DeepSpeed ZeRO 1-2
+  (stage_1_and_2.py clones its fp32 partition whatever the dtype). ZeRO-1 divides optimizer state, ZeRO-2 also
+  gradients, ZeRO-3 also weights, by dp x cp. pp > 1 runs on the pipeline engine (torch ZeroRedundancyOptimizer over
+  dp x cp, no master copy in fp32): optimizer_level level2/level3 act as level1 there, so gradients stay whole.
+- Buffers: DeepSpeed ZeRO 1-2 (pp 1) allocate reduce_bucket_size gradient elements per bucket, two with overlap_comm
+  (setup_buckets; a fixed size, not a share of the model). The pipeline engine's stages keep one receive buffer per
+  micro-batch for the stage input (not on the first stage) and one for its gradient (not on the last), s*b*h each
+  (/t with sequence parallel); its gradient all-reduce flattens a copy of the dense gradients (dp x cp > 1), then of
+  the experts' (edp > 1), after the activations are gone: the total takes the larger of the two moments.
+- Activations per layer and micro-batch, from what a HF Llama-family layer (RMSNorm, RoPE, SwiGLU, no dropout)
+  saves for backward, with s = seq/cp, b = batch_size x micro_batch_interleave_num, h = hidden, f = ffn,
+  kv = kv heads x head dim, a = heads, t = tp, n = compute-dtype bytes, per token:
+  2 norms x h x (4 + n) (the fp32 input and the normalized x; /t with sequence parallel), 2 norm outputs x h x n
+  (the QKV and gate/up inputs: whole, all-gathered under sequence parallel), (2h + 2kv + 4f) x n / t (q and k after
+  RoPE, v, the attention output; gate, up, silu(gate) and their product), and without flash attention the fp32
+  softmax a*s/t (+ its n-byte cast when n < 4). With MLA, 2h + 2kv becomes 2a(nope+rope) + 2a*v (q, k; v and the
+  output projection's input); the low-rank latents are not counted. MTP layers count as decoder layers of the last
+  stage (mcore places them outside the layer split). Full recompute keeps only the layer input, h x n
+  (/t with sequence parallel). Pipeline 1F1B keeps min(micro_batch_num, pp - stage) micro-batches in flight on
+  stage `stage` (all of them for GPipe); pp 1 holds one micro-batch.
+- Logits (last stage): at the loss backward the fp32 log-softmax, its gradient and the logits' gradient are live
+  together: 3 x 4 x s*b*V bytes (/t when vocab parallel). Allocator fragmentation and communication scratch space
+  of the collectives are not counted.
 - MoE (plan.moe with an expert count; moe.plan.stage_params): MoE layers (all but the first first_k_dense_replace)
   hold a router (E*h, replicated), shared experts (3*h*shared size, split over tp like the dense feed-forward) and
   E/ep whole routed experts of 3*h*expert size each (moe_intermediate_size, else ffn). Expert weights, gradients and
@@ -30,7 +41,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from .model_params import dense_layer, mla_dims
+from .model_params import dense_layer, ffn_size, mla_dims
 from .moe.plan import stage_layer_kinds, stage_params
 
 if TYPE_CHECKING:
@@ -51,6 +62,7 @@ class MemoryEstimate:
     logits_gib: float
     total_gib: float
     expert_params_per_rank: int = 0  # routed-expert parameters among params_per_rank
+    buffers_gib: float = 0.0  # DeepSpeed's reduce buckets, or the pipeline stages' receive buffers
 
     def as_dict(self) -> dict:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -83,8 +95,10 @@ def estimate_memory(plan: "Plan", stage: Optional[int] = None) -> Optional[Memor
     embed_params = embed * (2 if p == 1 else 1) // vocab_split
     mtp_embed = embed // vocab_split if p > 1 and m.mtp_depth else 0
     wbytes = 2 if plan.compute_dtype in ("bf16", "fp16") else 4
-    obytes = 12 if wbytes == 2 else 8
     z, shard, edp = plan.zero.stage, mesh.dp * mesh.cp, plan.expert_data_parallel
+    if p > 1:  # the pipeline engine: ZeRO-1 at most (level2/3 run as level1), torch's AdamW on the weights
+        z = min(z, 1)
+    obytes = 12 if wbytes == 2 or (p == 1 and z in (1, 2)) else 8
 
     def states(params: int, experts: int) -> tuple[float, float, float]:  # weights, grads, optimizer (bytes)
         return tuple(n * (params / (shard if z >= level else 1) + experts / (edp if z >= level else 1))
@@ -102,14 +116,16 @@ def estimate_memory(plan: "Plan", stage: Optional[int] = None) -> Optional[Memor
 
     s = m.seq_length // mesh.cp
     b = plan.micro_batch_size * plan.micro_batch_interleave_num
-    h, a = m.hidden_size, m.num_heads
+    h, a, n = m.hidden_size, m.num_heads, wbytes
+    sp = t if plan.sequence_parallel else 1
     mla = mla_dims(m)
-    # q, k, v and the output projection's input: 8*s*b*h (dense), or MLA's per-head widths
-    qkv = 4 * a * (mla["nope"] + mla["rope"] + mla["v"]) if mla else 8 * h
-    layer_act = (26 * h + qkv) * s * b / t if plan.sequence_parallel else s * b * (10 * h + (16 * h + qkv) / t)
+    # q and k after RoPE, v and the attention output (elements per token), then SwiGLU's four ffn-wide tensors
+    qkv = 2 * a * (mla["nope"] + mla["rope"] + mla["v"]) if mla else 2 * h + 2 * m.kv_heads * (h // a)
+    per_token = 2 * h * (4 + n) / sp + 2 * h * n + (qkv + 4 * ffn_size(cfg)) * n / t
     if not m.use_flash_attention:
-        layer_act += 5 * a * s * s * b / t
-    layer_ckpt = 2 * s * b * h / (t if plan.sequence_parallel else 1)
+        per_token += a * s * (4 + (n if n < 4 else 0)) / t
+    layer_act = per_token * s * b
+    layer_ckpt = h * n * s * b / sp
     in_flight = 1 if p == 1 else (plan.micro_batch_num if plan.pp_schedule == "gpipe"
                                   else min(plan.micro_batch_num, p - (stage or 0)))
     no_recompute = stage_layers * layer_act * in_flight
@@ -123,12 +139,20 @@ def estimate_memory(plan: "Plan", stage: Optional[int] = None) -> Optional[Memor
     else:
         recomputed = 0
     act = ((stage_layers - recomputed) * layer_act + recomputed * layer_ckpt) * in_flight
-    logits = 4 * s * b * m.vocab_size / vocab_split if stage in (None, last) else 0.0
-    total = weights + grads + optim + act + logits
+    logits = 3 * 4 * s * b * m.vocab_size / vocab_split if stage in (None, last) else 0.0
+    if p == 1:
+        buffers = (2 if plan.zero.overlap_comm else 1) * plan.zero.reduce_bucket_size * wbytes if z in (1, 2) else 0
+        sync = 0.0
+    else:  # receive buffers: input (not stage 0) and gradient (not the last stage); stage None: a middle one
+        ends = 2 if stage is None else (stage > 0) + (stage < last)
+        buffers = min(ends, p - 1 if stage is None else 2) * plan.micro_batch_num * s * b * h * n / sp
+        # all_reduce_flat: one flat copy of the dense gradients (over dp x cp), then of the experts' (over edp)
+        sync = wbytes * max(params if shard > 1 else 0, experts if edp > 1 else 0)
+    total = weights + grads + optim + max(act + logits + buffers, sync)
     return MemoryEstimate(params_per_rank=int(params + experts), weights_gib=weights / GIB, grads_gib=grads / GIB,
                           optimizer_gib=optim / GIB, activations_gib=act / GIB,
                           activations_no_recompute_gib=no_recompute / GIB, logits_gib=logits / GIB,
-                          total_gib=total / GIB, expert_params_per_rank=int(experts))
+                          total_gib=total / GIB, expert_params_per_rank=int(experts), buffers_gib=buffers / GIB)
 
 
 _SHAPE_KEYS = ("num_layers", "num_heads", "hidden_size", "vocab_size", "seq_length")

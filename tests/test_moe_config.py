@@ -267,7 +267,10 @@ def test_deepseek_v3_counts_its_experts():
     # 61 + 1 MTP layers over 16 stages ([4]*15 + [2]); the first 3 are dense, so stage 1 holds 4 MoE layers
     assert p.memory.expert_params_per_rank == 4 * (256 // 8) * 3 * 7168 * 2048
     assert (p.moe.capacity_factor, p.moe.first_k_dense_replace, p.expert_data_parallel) == (None, 3, 8)
-    assert 25 < p.memory.total_gib < 40  # was 5.1 GiB before experts were counted
+    # was 5.1 GiB before experts were counted; 32.5 before the pipeline engine's flat copy of the expert gradients at
+    # their all-reduce (10.5 GiB, after the activations are freed), three fp32 logits-sized tensors and the stages'
+    # receive buffers were counted (benchmarks/memory.py measures each of them); below the YAML's 55GB device memory
+    assert 40 < p.memory.total_gib < 45
 
 
 @needs_shared
