@@ -63,6 +63,7 @@ class MemoryEstimate:
     total_gib: float
     expert_params_per_rank: int = 0  # routed-expert parameters among params_per_rank
     buffers_gib: float = 0.0  # DeepSpeed's reduce buckets, or the pipeline stages' receive buffers
+    grad_sync_gib: float = 0.0  # the pipeline engine's flat gradient copy at its all-reduce (after activations)
 
     def as_dict(self) -> dict:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -152,7 +153,8 @@ def estimate_memory(plan: "Plan", stage: Optional[int] = None) -> Optional[Memor
     return MemoryEstimate(params_per_rank=int(params + experts), weights_gib=weights / GIB, grads_gib=grads / GIB,
                           optimizer_gib=optim / GIB, activations_gib=act / GIB,
                           activations_no_recompute_gib=no_recompute / GIB, logits_gib=logits / GIB,
-                          total_gib=total / GIB, expert_params_per_rank=int(experts), buffers_gib=buffers / GIB)
+                          total_gib=total / GIB, expert_params_per_rank=int(experts), buffers_gib=buffers / GIB,
+                          grad_sync_gib=sync / GIB)
 
 
 _SHAPE_KEYS = ("num_layers", "num_heads", "hidden_size", "vocab_size", "seq_length")

@@ -52,9 +52,13 @@ def _rows(plan: "Plan") -> list[tuple[str, str]]:
         def f(x: float) -> str:
             return f"{x * scale:.1f}"
 
+        transient = (f"activations {f(mem.activations_gib)} + logits {f(mem.logits_gib)} + buffers "
+                     f"{f(mem.buffers_gib)}")
+        if mem.grad_sync_gib > mem.activations_gib + mem.logits_gib + mem.buffers_gib:  # the later, higher peak
+            transient = f"max({transient}, gradient all-reduce copy {f(mem.grad_sync_gib)})"
         rows += [(f"memory / rank ({unit}, est.)",
                   f"{f(mem.total_gib)} = weights {f(mem.weights_gib)} + grads {f(mem.grads_gib)} + optimizer "
-                  f"{f(mem.optimizer_gib)} + activations {f(mem.activations_gib)} + logits {f(mem.logits_gib)}"),
+                  f"{f(mem.optimizer_gib)} + {transient}"),
                  ("activations without recompute", f"{f(mem.activations_no_recompute_gib)} {unit}")]
         if mem.expert_params_per_rank:
             rows.append(("params / rank (routed experts)", f"{mem.params_per_rank / 1e9:.2f}B "

@@ -14,7 +14,7 @@ from ..memory import max_device_memory_gib
 
 PARTS = (("weights_gib", "parameters", "#3b75af"), ("grads_gib", "gradients", "#6fa8dc"),
          ("optimizer_gib", "optimizer states", "#d9822b"), ("activations_gib", "activations", "#4f9d4f"),
-         ("logits_gib", "logits (fp32)", "#9e6fb8"))
+         ("logits_gib", "logits (fp32)", "#9e6fb8"), ("buffers_gib", "comm buffers", "#8c8c8c"))
 
 
 def device_memory_from_yaml(path: Path | str) -> Optional[float]:
@@ -89,7 +89,7 @@ def draw_memory(plan: Any, path: Path | str, device_memory_gib: Optional[float] 
     rc = plan.recompute.mode
     ax.set_title(f"memory estimate for {stage}: up to {est.params_per_rank:,} parameters per rank\n"
                  f"ZeRO-{plan.zero.stage} over dp x cp = {m.dp * m.cp}, tp {m.tp}, {plan.compute_dtype} compute, "
-                 f"recompute {rc}; buffers and fragmentation not counted", fontsize=10)
+                 f"recompute {rc}; allocator fragmentation not counted", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
