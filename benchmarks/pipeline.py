@@ -9,7 +9,13 @@ tiny model's own compute and the gloo transfers are real and count as overhead. 
   busy   = time measured inside the layer costs during the step (perf_counter around each sleep)
   bubble = 1 - busy / step time        (idle waiting for neighbours + communication + Python overhead)
 Theory, p stages, m micro-batches, v virtual chunks, F = B = W: gpipe and 1F1B (p-1)/(m+p-1); interleaved 1F1B
-((p-1)/v)/(m+(p-1)/v); zero_bubble_v about 0 for m >= 2p (ZB-V paper; its schedule still has a small warm-up).
+((p-1)/v)/(m+(p-1)/v); zero_bubble_v about 0 for m >= 2p (ZB-V paper). "order ideal" replays the action order the
+torch schedule really runs (msparallel_ds.draw.schedule) with these fixed costs and zero other work: for ZB-V at
+m 8, p 4 it is 5.9%, not 0 (the last rank cannot start before p - 1 forwards of one chunk have passed).
+Where the rest goes, per rank (mean over ranks, seconds per step): "model" = time inside the stages' forward /
+backward actions minus the fixed costs (the tiny model's real compute, autograd, torch's stage bookkeeping);
+"outside" = the engine's work around the schedule (batch check, loss and gradient collectives, optimizer) on the
+rank that leaves the schedule last (the others also wait there for it). The rest is P2P waiting and schedule Python.
 Benchmarks are not tests: nothing is asserted.
 
     python benchmarks/pipeline.py                  # pp 4 on 4 processes, m 8, writes results/pipeline_cpu.json
@@ -27,7 +33,8 @@ import statistics
 import time
 
 SCHEDULES = {  # name -> (pipeline_scheduler, virtual chunks)
-    "gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved_1f1b_v2": ("1f1b", 2), "zero_bubble_v": ("zero_bubble_v", 2),
+    "gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved_1f1b_v2": ("1f1b", 2),
+    "zero_bubble_v": ("zero_bubble_v", 2),
 }
 
 
@@ -85,6 +92,42 @@ def _add_fixed_cost(layer, t_f: float, t_b: float, t_w: float, state: dict, stag
     down.forward = down_forward
 
 
+def _time_actions(engine, state: dict) -> None:
+    """Add the wall time of every stage forward / backward action to state["actions"] and of the whole schedule
+    step to state["schedule"] (two perf_counter calls per action: microseconds against 30 ms costs)."""
+    def timed(fn, key):
+        def call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                state[key] += time.perf_counter() - t
+        return call
+
+    for stage in engine.stages:
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            setattr(stage, name, timed(getattr(stage, name), "actions"))
+    engine.schedule.step = timed(engine.schedule.step, "schedule")
+
+
+def _order_ideal(args, name: str):
+    """The torch schedule's own action order replayed with the benchmark's fixed costs (msparallel_ds.draw):
+    (table in seconds, ideal step s, ideal bubble)."""
+    from msparallel_ds.config import load_config
+    from msparallel_ds.draw.schedule import Block, schedule_table
+    from msparallel_ds.plan import make_plan
+
+    sched, vpp = SCHEDULES[name]
+    layers = args.pp * 2
+    # a whole backward does the layer's B and W sleeps: twice a forward; split ones (I, W) one each
+    table = schedule_table(make_plan(load_config(yaml(args.pp, args.micro, sched, vpp, layers))), costs={"B": 2.0})
+    unit = args.cost_ms / 1000 * (2 // vpp)  # a unit is one stage's forward over its layers
+    table.blocks = {r: [Block(b.rank, b.stage, b.kind, b.microbatch, b.start * unit, b.end * unit) for b in bl]
+                    for r, bl in table.blocks.items()}
+    table.makespan *= unit
+    return table, table.makespan, table.bubble
+
+
 def _worker(rank, world, port, args, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -103,24 +146,28 @@ def _worker(rank, world, port, args, out):
         engine = msp.initialize(tiny_llama(num_hidden_layers=layers), msp.load_config(
             yaml(args.pp, args.micro, sched, vpp, layers)),
             optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
-        state = {"busy": 0.0, "t0": 0.0, "events": []}
+        state = {"busy": 0.0, "t0": 0.0, "events": [], "actions": 0.0, "schedule": 0.0}
         per_stage = layers // (args.pp * vpp)
         for idx, layer in engine.model.model.layers.items():
             _add_fixed_cost(layer, cost, cost, cost, state, int(idx) // per_stage)
+        _time_actions(engine, state)
         ids = torch.randint(0, 256, (args.micro, args.seq), generator=torch.Generator().manual_seed(0))
-        steps, fractions = [], []
+        steps, fractions, model, outside = [], [], [], []
         for i in range(args.warmup + args.steps):
             dist.barrier()
-            state.update(busy=0.0, events=[])
+            state.update(busy=0.0, events=[], actions=0.0, schedule=0.0)
             t = state["t0"] = time.perf_counter()
             engine.train_batch({"input_ids": ids})
             dt = time.perf_counter() - t
             if i >= args.warmup:
                 steps.append(dt)
                 fractions.append(1 - state["busy"] / dt)
+                model.append(state["actions"] - state["busy"])
+                outside.append(dt - state["schedule"])
         if rank == 0:
             print(f"{name}: step {statistics.median(steps):.3f} s", file=sys.stderr, flush=True)
         results[name] = {"step_s": statistics.median(steps), "bubble": statistics.median(fractions),
+                         "model_s": statistics.median(model), "outside_s": statistics.median(outside),
                          "busy_s": state["busy"], "events": state["events"], "last_step_s": dt}
     out.put((rank, results))
     dist.destroy_process_group()
@@ -157,17 +204,24 @@ def main() -> None:
     rows = []
     for name in SCHEDULES:
         ranks = [per_rank[r][name] for r in range(args.pp)]
+        _, order_step, order_bubble = _order_ideal(args, name)
         rows.append({"schedule": name, "virtual_chunks": SCHEDULES[name][1],
                      "step_s": max(r["step_s"] for r in ranks),
                      "bubble_measured_mean": statistics.mean(r["bubble"] for r in ranks),
                      "bubble_measured_per_rank": [round(r["bubble"], 4) for r in ranks],
-                     "bubble_theory": theory(name, p_, m), "ideal_step_s": ideal})
+                     "bubble_theory": theory(name, p_, m), "bubble_order_ideal": order_bubble,
+                     "order_ideal_step_s": order_step, "ideal_step_s": ideal,
+                     "model_s_mean": statistics.mean(r["model_s"] for r in ranks),
+                     "outside_s_last_rank": min(r["outside_s"] for r in ranks),
+                     "model_s_per_rank": [round(r["model_s"], 4) for r in ranks]})
     print(f"pp={p_} micro_batch_num={m} cost F=B=W={args.cost_ms} ms/layer, 2 layers per rank, "
           f"ideal busy step {ideal:.3f} s")
-    print(f"{'schedule':22s} {'step s':>8s} {'bubble meas.':>13s} {'theory':>8s}  per rank")
+    print(f"{'schedule':22s} {'step s':>7s} {'order ideal s':>13s} {'bubble meas.':>12s} {'theory':>7s} "
+          f"{'order ideal':>11s} {'model s':>8s} {'outside s':>9s}  bubble per rank")
     for r in rows:
-        print(f"{r['schedule']:22s} {r['step_s']:8.3f} {r['bubble_measured_mean']:13.3f} {r['bubble_theory']:8.3f}  "
-              f"{r['bubble_measured_per_rank']}")
+        print(f"{r['schedule']:22s} {r['step_s']:7.3f} {r['order_ideal_step_s']:13.3f} "
+              f"{r['bubble_measured_mean']:12.3f} {r['bubble_theory']:7.3f} {r['bubble_order_ideal']:11.3f} "
+              f"{r['model_s_mean']:8.3f} {r['outside_s_last_rank']:9.3f}  {r['bubble_measured_per_rank']}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"config": vars(args), "device": "cpu (gloo)", "rows": rows}, f, indent=2)
@@ -179,21 +233,11 @@ def main() -> None:
 def _draw(args, per_rank: dict) -> None:
     """Per schedule: the last timed step as measured (each rank's F / B / W sleeps, seconds since the step's start)
     above the theory for the same schedule (msparallel_ds.draw's table, unit cost = --cost-ms)."""
-    from msparallel_ds.config import load_config
-    from msparallel_ds.draw.schedule import Block, ScheduleTable, draw_timelines, schedule_table
-    from msparallel_ds.plan import make_plan
+    from msparallel_ds.draw.schedule import Block, ScheduleTable, draw_timelines
 
     os.makedirs(args.draw, exist_ok=True)
-    unit = args.cost_ms / 1000
     for name, (sched, vpp) in SCHEDULES.items():
-        layers = args.pp * 2
-        # a whole backward does the layer's B and W sleeps: twice a forward; split ones (I, W) one each
-        theory_t = schedule_table(make_plan(load_config(yaml(args.pp, args.micro, sched, vpp, layers))),
-                                  costs={"B": 2.0})
-        per = 2 // vpp  # layers per stage: a theory unit is one stage's forward over its layers
-        theory_t.blocks = {r: [Block(b.rank, b.stage, b.kind, b.microbatch, b.start * unit * per, b.end * unit * per)
-                               for b in bl] for r, bl in theory_t.blocks.items()}
-        theory_t.makespan *= unit * per
+        theory_t = _order_ideal(args, name)[0]
         got = {r: [Block(r, st, k, -1, a, b) for st, k, a, b in per_rank[r][name]["events"]]
                for r in range(args.pp)}
         step = max(per_rank[r][name]["last_step_s"] for r in range(args.pp))

@@ -218,7 +218,10 @@ class PipelineEngine:
         losses: list = []
         args = (ids,) if self.holds_first else ()
         target = targets if self.holds_last else None
-        self.schedule.step(*args, target=target, losses=losses if self.holds_last else None, **kwargs)
+        # return_outputs=False: the step needs only the losses; merging the last stage's logits (and keeping every
+        # micro-batch's until the step ends) would cost memory and time for nothing
+        self.schedule.step(*args, target=target, losses=losses if self.holds_last else None, return_outputs=False,
+                           **kwargs)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for loss in losses:
             total += loss.detach().float()
