@@ -8,7 +8,10 @@ its shard of the same full-sequence inputs. Reported per algorithm (max over ran
   - bytes each rank sent through torch.distributed (counted by wrapping the collectives) next to the volume
     theory predicts,
   - max abs error of out/dq/dk/dv against single-process attention on the full sequence.
-The same run times DeepSpeed's Ulysses peer (deepspeed.sequence.layer.DistributedAttention) on identical inputs.
+The same run times DeepSpeed's Ulysses peer (deepspeed.sequence.layer.DistributedAttention) on identical inputs,
+and then our Ulysses against it step by step: --pairs alternating repeats (the order flips every repeat), each
+repeat's ratio our worst rank / DeepSpeed's worst rank, reported as the median of those ratios (the
+"x DeepSpeed" line; a noisy shared machine moves both sides of one repeat alike).
 
     python benchmarks/attention.py --world-sizes 2 4 --seq 1024 --json benchmarks/results/attention.json
 
@@ -21,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -154,7 +158,7 @@ def _rank_main(rank, world, args):
     k = torch.randn(b, s, hkv, d, generator=g).to(dtype)
     v = torch.randn(b, s, hkv, d, generator=g).to(dtype)
     dout = torch.randn(b, s, h, d, generator=g).to(dtype)
-    rows = []
+    rows, steps = [], {}
 
     def reference():
         qq, kk, vv = (x.detach().double().transpose(1, 2).requires_grad_() for x in (q, k, v))
@@ -193,12 +197,31 @@ def _rank_main(rank, world, args):
         with SendCounter() as counter:
             step()
         mem = _peak_bytes(step)
+        steps[algo] = step
         rows.append({"algo": algo, "ring": mesh[0], "ulysses": mesh[1], "time_s": t, "peak_bytes": mem,
                      "sent_bytes": counter.bytes,
                      "theory_bytes": _theory_bytes(algo, mesh[0], mesh[1], b, s, h, hkv, d, q.element_size()),
                      "max_err": err})
-    rows.append(_deepspeed_ulysses(rank, world, q, k, v, dout, ref, args))
-    return {"rows": [r for r in rows if r], "single_time_s": base_t, "single_peak_bytes": base_mem}
+    rows.append(_deepspeed_ulysses(rank, world, q, k, v, dout, ref, args, steps))
+    paired = None
+    if "ulysses" in steps and "deepspeed_ulysses" in steps and args["pairs"]:
+        paired = _paired_times(steps["ulysses"], steps["deepspeed_ulysses"], args["pairs"], dist.barrier)
+    return {"rows": [r for r in rows if r], "single_time_s": base_t, "single_peak_bytes": base_mem,
+            "paired": paired}
+
+
+def _paired_times(ours, peer, pairs, barrier):
+    """(our times, peer times), one of each per repeat, the order alternating so neither side always runs
+    first (warm caches, a neighbour's load) on a shared machine."""
+    ours(), peer()  # warm-up
+    times = {0: [], 1: []}
+    for i in range(pairs):
+        for side in ((0, 1) if i % 2 == 0 else (1, 0)):
+            barrier()
+            t0 = time.perf_counter()
+            (ours, peer)[side]()
+            times[side].append(time.perf_counter() - t0)
+    return times[0], times[1]
 
 
 def _time(fn, repeats, barrier=None):
@@ -213,7 +236,7 @@ def _time(fn, repeats, barrier=None):
     return best
 
 
-def _deepspeed_ulysses(rank, world, q, k, v, dout, ref, args):
+def _deepspeed_ulysses(rank, world, q, k, v, dout, ref, args, steps):
     """DeepSpeed's DistributedAttention (the Ulysses peer) on the same inputs; kv repeated (it has no GQA)."""
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -252,6 +275,7 @@ def _deepspeed_ulysses(rank, world, q, k, v, dout, ref, args):
     except Exception as exc:  # gloo may lack the collective DeepSpeed uses
         return {"algo": "deepspeed_ulysses", "skipped": f"{type(exc).__name__}: {exc}"[:200]}
     err = (out.transpose(0, 1).double() - ref[0][:, sl]).abs().max().item()
+    steps["deepspeed_ulysses"] = step
     t = _time(step, args["repeats"], barrier=dist.barrier)
     with SendCounter() as counter:
         step()
@@ -309,11 +333,14 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=7,
+                    help="alternating repeats of our Ulysses vs DeepSpeed's (median of per-repeat ratios); 0: off")
     ap.add_argument("--simulate-ring", type=int, default=0, metavar="N",
                     help="time the N ring steps of each rank in one process (no communication) instead")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "attention.json"))
     a = ap.parse_args()
-    args = {k: getattr(a, k) for k in ("algos", "seq", "batch", "heads", "kv_heads", "dim", "dtype", "repeats")}
+    args = {k: getattr(a, k) for k in ("algos", "seq", "batch", "heads", "kv_heads", "dim", "dtype", "repeats",
+                                       "pairs")}
     if a.simulate_ring:
         res = simulate_ring(a.simulate_ring, args)
         print(f"simulated ring of {res['ring']} on {res['device']} ({res['backend']}): full sequence "
@@ -335,8 +362,13 @@ def main() -> None:
                                                                                  "max_err")}
             rows.append({**row, **worst, "world": world, "time_vs_single": worst["time_s"] / single_t,
                          "peak_vs_single": worst["peak_bytes"] / max(single_mem, 1)})
-        report["runs"].append({"world": world, "single_time_s": single_t, "single_peak_bytes": single_mem,
-                               "rows": rows})
+        run = {"world": world, "single_time_s": single_t, "single_peak_bytes": single_mem, "rows": rows}
+        if per_rank[0]["paired"]:  # per repeat: worst rank of ours / worst rank of DeepSpeed's
+            ours, peer = ([max(r["paired"][side][i] for r in per_rank) for i in range(a.pairs)] for side in (0, 1))
+            ratios = sorted(o / p for o, p in zip(ours, peer))
+            run["ulysses_vs_deepspeed"] = {"median_ratio": statistics.median(ratios), "ratios": ratios,
+                                           "ours_s": ours, "deepspeed_s": peer}
+        report["runs"].append(run)
     _print(report)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(report, indent=2))
@@ -356,6 +388,10 @@ def _print(report) -> None:
             theory = f"{r['theory_bytes'] / 2**20:10.2f}" if r.get("theory_bytes") else f"{'-':>10}"
             print(f"{run['world']:>5} {r['algo']:<18} {r['ring']}x{r['ulysses']:<4} {r['time_vs_single']:13.2f} "
                   f"{r['peak_vs_single']:13.2f} {r['sent_bytes'] / 2**20:9.2f} {theory} {r['max_err']:9.2e}")
+        if "ulysses_vs_deepspeed" in run:
+            p = run["ulysses_vs_deepspeed"]
+            print(f"{run['world']:>5} ulysses x DeepSpeed  fwd+bwd time, median of {len(p['ratios'])} alternating "
+                  f"repeats: {p['median_ratio']:.2f} (range {p['ratios'][0]:.2f}-{p['ratios'][-1]:.2f})")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from . import sharding
 from .kernels import Backend, block_backward, block_forward, merge, select_backend
-from .ring import _acc_dtype, _check, pack_kv, unpack_kv
+from .ring import _acc_dtype, _check, pack_kv, release, unpack_kv
 
 __all__ = ["allgather_attention", "gather_doc_ids",
            "doc_blocks", "attend_blocks", "attend_blocks_backward"]
@@ -47,24 +47,35 @@ def _all_gather_kv(k: Tensor, v: Tensor, group) -> tuple[Tensor, Tensor]:
     out = torch.empty(n * kv.numel(), dtype=kv.dtype, device=kv.device)  # concat form: any backend
     _all_gather_single(out, kv, group=group)
     parts = [unpack_kv(p, k.shape, v.shape) for p in out.view(n, -1).unbind(0)]
-    return tuple(sharding.unshard([p[i] for p in parts], 2, n, 1) for i in (0, 1))
+    full = tuple(sharding.unshard([p[i] for p in parts], 2, n, 1) for i in (0, 1))
+    release(kv)  # pack_kv's own buffer
+    release(out)
+    return full
 
 
-def _reduce_scatter_dkv(dk_full: Tensor, dv_full: Tensor, group) -> tuple[Tensor, Tensor]:
-    """Sum every rank's full-sequence dK/dV and give each rank its own shard of the sum (one reduce-scatter)."""
+def _reduce_scatter_dkv(dkv_full: list[Tensor], group) -> tuple[Tensor, Tensor]:
+    """Sum every rank's full-sequence dK/dV and give each rank its own shard of the sum (one reduce-scatter).
+    dkv_full = [dK, dV] is emptied: the full-size tensors are freed once copied into the send buffer."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
-    parts = torch.cat([pack_kv(sharding.shard(dk_full, 2, n, 1, j, 0), sharding.shard(dv_full, 2, n, 1, j, 0))
-                       for j in range(n)])  # rank-major
-    m = parts.numel() // n
+    dk_full, dv_full = dkv_full
+    shape = list(dk_full.shape)
+    shape[2] //= n
+    k_shape, v_shape = torch.Size(shape), torch.Size(shape[:3] + [dv_full.shape[3]])
+    m = k_shape.numel() + v_shape.numel()
+    parts = torch.empty(n * m, dtype=dk_full.dtype, device=dk_full.device)  # rank-major, filled in place
+    for j, p in enumerate(parts.view(n, m).unbind(0)):
+        for dst, full in zip(unpack_kv(p, k_shape, v_shape), (dk_full, dv_full)):
+            dst.copy_(sharding.shard(full, 2, n, 1, j, 0))
+    dkv_full.clear()
+    del dk_full, dv_full, full, dst  # the backend may copy `parts` (gloo does): not next to the full-size sums
     out = torch.empty_like(parts[:m])
     try:
         _reduce_scatter_single(out, parts, group=group)
+        release(parts)
     except (RuntimeError, NotImplementedError):  # backends without reduce_scatter (old gloo): all-reduce + slice
         dist.all_reduce(parts, group=group)
         out = parts[m * me: m * (me + 1)]
-    shape = list(dk_full.shape)
-    shape[2] //= n
-    return unpack_kv(out, torch.Size(shape), torch.Size(shape[:3] + [dv_full.shape[3]]))
+    return unpack_kv(out, k_shape, v_shape)
 
 
 # A plan is a list of blocks (rows, local query slice, ((global key slice, causal), ...)): the queries of one block
@@ -151,12 +162,28 @@ def attend_blocks_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
     """Accumulate the plan's block gradients into the fp32 buffers dq [b, h, s, d], dk [b, h_kv, S, d] and dv
     [b, h_kv, S, d_v]."""
     for rows, qs, keys in plan:
-        qc, oc, lc, dc = (t[rows, :, qs].contiguous() for t in (q, out, lse, dout))
+        # views (the kernels read strided q/out/dout; copying them would only add chunk-sized buffers)
+        qc, oc, dc = (t[rows, :, qs] for t in (q, out, dout))
+        lc = lse[rows, :, qs].contiguous()
+        piece = max(qc.shape[2], _MIN_PIECE)
         for ks, c in keys:
-            g = block_backward(dc, qc, k[rows, :, ks], v[rows, :, ks], oc, lc, causal=c, scale=scale, backend=backend)
-            dq[rows, :, qs] += g[0]
-            dk[rows, :, ks] += g[1]
-            dv[rows, :, ks] += g[2]
+            for kp in ((ks,) if c else _pieces(ks, k.shape[2], piece)):
+                g = block_backward(dc, qc, k[rows, :, kp], v[rows, :, kp], oc, lc, causal=c, scale=scale,
+                                   backend=backend)
+                dq[rows, :, qs] += g[0]
+                dk[rows, :, kp] += g[1]
+                dv[rows, :, kp] += g[2]
+                del g  # freed before the next call allocates its own
+
+
+_MIN_PIECE = 128  # key tokens: shorter backward pieces would cost more in calls than they save in memory
+
+
+def _pieces(ks: slice, total: int, n: int) -> list[slice]:
+    """A non-causal key range cut into pieces of at most n keys: a backward call's fresh dK/dV (per piece) then
+    stays about the size of its query block's dq instead of the whole range's (a long prefix)."""
+    a, b, _ = ks.indices(total)
+    return [slice(i, min(i + n, b)) for i in range(a, b, n)] or [ks]
 
 
 class _AllGatherKVAttendReduceScatterDKV(torch.autograd.Function):
@@ -177,7 +204,10 @@ class _AllGatherKVAttendReduceScatterDKV(torch.autograd.Function):
         kf, vf = _all_gather_kv(k, v, ctx.group)  # re-gathered: saving it would keep S-sized K/V per layer alive
         dq, dkf, dvf = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, kf, vf))
         attend_blocks_backward(dout, q, kf, vf, out, lse, ctx.plan, ctx.scale, ctx.backend, dq, dkf, dvf)
-        dk, dv = _reduce_scatter_dkv(dkf, dvf, ctx.group)
+        del kf, vf  # dead from here: not alive next to the reduce-scatter's buffers
+        dkv = [dkf, dvf]
+        del dkf, dvf  # _reduce_scatter_dkv frees them as soon as they are packed
+        dk, dv = _reduce_scatter_dkv(dkv, ctx.group)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 

@@ -108,8 +108,10 @@ def _cpu_dtype(x: Tensor) -> torch.dtype:
 
 def _has_nan(scale: float, *ts: Tensor) -> bool:
     """torch's CPU flash op returns out = 0, lse = 0 for NaN rows (a finite result from a NaN input): such calls go
-    to the math kernel, which keeps the NaN like single-process SDPA does. One cheap pass over q/k, CPU only."""
-    return scale != scale or any(bool(t.isnan().any()) for t in ts if t.is_floating_point())
+    to the math kernel, which keeps the NaN like single-process SDPA does. One cheap pass over q/k, CPU only: a sum
+    (a NaN anywhere makes it NaN; no bool tensor of the input's size as isnan().any() builds). Only +inf and -inf
+    together in one input also give NaN: those calls take the math kernel too, which is exact as well."""
+    return scale != scale or any(bool(t.sum().isnan()) for t in ts if t.is_floating_point())
 
 
 def _cpu_flash_forward(q, k, v, causal, scale, mask=None):

@@ -50,6 +50,15 @@ def _wait(reqs: Optional[list]) -> None:
         r.wait()
 
 
+def release(t: Tensor) -> None:
+    """Free a finished collective's CPU buffer now (its views must be dead): gloo's work object drops its reference
+    from gloo's own thread, sometimes only after the next block has allocated its buffers (measured: a sent K/V or
+    gather buffer alive at a rank's peak). CPU only; CUDA frees go through the caching allocator's stream
+    bookkeeping instead."""
+    if t.device.type == "cpu":
+        t.untyped_storage().resize_(0)
+
+
 def pack_kv(k: Tensor, v: Tensor) -> Tensor:
     """k and v flattened into one contiguous 1-D buffer: one collective moves both, whatever their head dims."""
     buf = torch.empty(k.numel() + v.numel(), dtype=k.dtype, device=k.device)
@@ -105,6 +114,7 @@ class _RingAttention(torch.autograd.Function):
             src = (r - step) % R
             if step > 0:
                 _wait(reqs)
+                release(kv)  # sent: pack_kv's or an earlier receive buffer
                 kv = nxt
             if step < R - 1:  # next block in flight while this one is computed
                 nxt = torch.empty_like(kv)
@@ -127,11 +137,12 @@ class _RingAttention(torch.autograd.Function):
             q_hi, out_hi, lse_hi, dout_hi = (t[:, :, half:] for t in (q, out, lse, dout))
         dq = None  # step 0 is always the own (full) block: its dq becomes the fp32 accumulator
         kv = pack_kv(k, v)
-        kv_reqs = dkv_reqs = nxt = dkv_in = None
+        kv_reqs = dkv_reqs = nxt = dkv_in = dkv_out = None
         for step in range(R):
             src = (r - step) % R
             if step > 0:
                 _wait(kv_reqs)
+                release(kv)
                 kv = nxt
             if step < R - 1:
                 nxt = torch.empty_like(kv)
@@ -152,17 +163,20 @@ class _RingAttention(torch.autograd.Function):
                 kv_part = slice(None)
             if step > 0:  # the earlier holders' fp32 sum for this block, sent by prev while we computed
                 _wait(dkv_reqs)
+                release(dkv_out)
                 dkv = dkv_in
             else:
                 dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
             dkb, dvb = unpack_kv(dkv, k.shape, v.shape)
             dkb[:, :, kv_part] += g[1]
             dvb[:, :, kv_part] += g[2]
+            del g  # before the next step's kernel call: two steps' block gradients never coexist
             if R > 1:  # after R hops each block's sum reaches its owner
                 dkv_out, dkv_in = dkv, torch.empty_like(dkv)  # dkv_out stays referenced until its send is waited
                 dkv_reqs = ring.exchange(dkv_out, dkv_in, _TAG_DKV)
         if R > 1:
             _wait(dkv_reqs)
+            release(dkv_out)
             dkv = dkv_in
         dk, dv = unpack_kv(dkv, k.shape, v.shape)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None

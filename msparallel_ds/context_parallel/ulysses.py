@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# The all-to-all pair lives with the other autograd collectives (DESIGN: one place); re-exported here.
+# The generic all-to-all pair lives with the other autograd collectives (DESIGN: one place); re-exported here.
+# Attention uses _ToHeads/_ToSeq below: same exchange, laid out so the kernels need no copies of their own.
 from ..tensor_parallel.mappings import HeadToSeqAllToAll, SeqToHeadAllToAll, head_to_seq, seq_to_head
 from .allgather import attend_blocks, attend_blocks_backward, doc_blocks, gather_doc_ids
 from .kernels import Backend, block_backward, block_forward, select_backend
-from .ring import _acc_dtype
+from .ring import _acc_dtype, release
 
 __all__ = ["SeqToHeadAllToAll", "HeadToSeqAllToAll", "seq_to_head", "head_to_seq", "local_attention",
            "ulysses_attention", "ulysses_wrap", "check_ulysses_heads", "valid_ulysses_degrees", "resolve_backend"]
@@ -48,7 +49,9 @@ class _LocalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale,
+        # dout as it comes: the CPU flash kernel copies any layout but [b, s, h, d] memory itself, so a
+        # .contiguous() here ([b, h, s, d]) would cost a copy of the kernel's own copy
+        dq, dk, dv = block_backward(dout, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale,
                                     backend=ctx.backend)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
@@ -107,10 +110,72 @@ def check_ulysses_heads(num_heads: int, num_kv_heads: int, degree: int) -> None:
                      f"context_parallel_algo colossalai_cp (ring/all-gather have no head constraint).")
 
 
-def _replicate_kv(x: Tensor, u: int) -> Tensor:
-    """h_kv < U with U % h_kv == 0: each kv head U/h_kv times so every rank gets the kv head of its q heads."""
-    h_kv = x.shape[1]
-    return x if h_kv % u == 0 else x.repeat_interleave(u // h_kv, dim=1)
+def _a2a(send: Tensor, group, source: Tensor) -> Tensor:
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    if send.untyped_storage().data_ptr() != source.untyped_storage().data_ptr():  # our copy, not the caller's
+        release(send)
+    return recv
+
+
+def _to_heads(x: Tensor, group, rep: int) -> Tensor:
+    """[b, h, s, d] (sequence piece `rank`, any strides) -> [b, h*rep/U, U*s, d] (head chunk `rank`) with each head
+    replicated `rep` times (GQA, U % h_kv == 0). The one copy builds the send buffer [U(dst), b, s, h/U, d]; the
+    received [U(src), b, s, h/U, d] is the sequence in rank order, so for b == 1 the result is a view of it, in
+    [b, s, h, d] memory: what the CPU flash kernels read (and take dout in) without a copy of their own."""
+    u = dist.get_world_size(group)
+    b, h, s, d = x.shape
+    hu = h * rep // u
+    src = x.transpose(1, 2)  # [b, s, h, d]
+    if rep == 1:  # splitting h is a view; a [b, s, h, d]-memory input with b == 1 needs no copy at all
+        send = src.reshape(b, s, u, hu, d).permute(2, 0, 1, 3, 4).contiguous()
+    else:  # destination j gets kv head j // rep: the replication is this same copy (hu == 1)
+        send = torch.empty(u, b, s, hu, d, dtype=x.dtype, device=x.device)
+        send.view(h, rep, b, s, d).copy_(src.permute(2, 0, 1, 3).unsqueeze(1))
+    recv = _a2a(send, group, x)
+    out = recv.view(b, u * s, hu, d) if b == 1 else recv.transpose(0, 1).reshape(b, u * s, hu, d)
+    return out.transpose(1, 2)
+
+
+def _to_seq(y: Tensor, group, rep: int) -> Tensor:
+    """Inverse of _to_heads: [b, h*rep/U, U*s, d] -> [b, h, s, d] in [b, s, h, d] memory (the layout the caller's
+    [b, s, h, d] tensors have); rep > 1 sums each head's replicas (the gradient of the replication)."""
+    u = dist.get_world_size(group)
+    b, hu, us, d = y.shape
+    s = us // u
+    # [U(dst), b, s, hu, d]: a view for a [b, s, h, d]-memory y with b == 1 (what _to_heads and the kernels give)
+    recv = _a2a(y.transpose(1, 2).reshape(b, u, s, hu, d).transpose(0, 1).contiguous(), group, y)  # [U(src), ..]
+    h = u * hu // rep
+    out = torch.empty(b, s, h, d, dtype=y.dtype, device=y.device)
+    if rep == 1:
+        out.view(b, s, u, hu, d).copy_(recv.permute(1, 2, 0, 3, 4))
+    else:  # source j held a replica of kv head j // rep (hu == 1)
+        torch.sum(recv.view(h, rep, b, s, d), dim=1, out=out.permute(2, 0, 1, 3))
+    return out.transpose(1, 2)
+
+
+class _ToHeads(torch.autograd.Function):
+    """seq -> head all-to-all (with GQA replication); backward is the inverse, summing the replicas."""
+
+    @staticmethod
+    def forward(ctx, x, group, rep):
+        ctx.group, ctx.rep = group, rep
+        return _to_heads(x, group, rep)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _to_seq(grad, ctx.group, ctx.rep), None, None
+
+
+class _ToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        return _to_seq(y, group, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _to_heads(grad, ctx.group, 1), None
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -123,10 +188,9 @@ def ulysses_wrap(q: Tensor, k: Tensor, v: Tensor, group, inner: Callable[[Tensor
     check_ulysses_heads(q.shape[1], k.shape[1], u)
     if u == 1:
         return inner(q, k, v)
-    qh = seq_to_head(q, group)
-    kh = seq_to_head(_replicate_kv(k, u), group)
-    vh = seq_to_head(_replicate_kv(v, u), group)
-    return head_to_seq(inner(qh, kh, vh), group)
+    rep = 1 if k.shape[1] % u == 0 else u // k.shape[1]  # h_kv < U: each kv head U/h_kv times (check above)
+    qh, kh, vh = _ToHeads.apply(q, group, 1), _ToHeads.apply(k, group, rep), _ToHeads.apply(v, group, rep)
+    return _ToSeq.apply(inner(qh, kh, vh), group)
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group, *, causal: bool, scale: float,

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..distributed import instruments
-from ..distributed.collectives import _chunk, _size, _unsupported
+from ..distributed.collectives import _chunk, _size, _unsupported, start_reduce_scatter
 from ..distributed.instruments import bus_bytes, record
 
 __all__ = ["AsyncCollective", "issue", "wait", "wait_linears", "mark_compute"]
@@ -62,17 +62,8 @@ def _start(kind: str, x: Tensor, group, dim: int) -> tuple[Optional[object], Cal
     if kind == "reduce_scatter":
         piece = _chunk(x, group, dim)
         send = x.unflatten(dim, (n, piece)).movedim(dim, 0).contiguous()
-        out = x.new_empty(send.shape[1:])
-        try:
-            work = (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
-                out, send.flatten(0, 1), group=group, async_op=True)
-            return work, (lambda: out), bus_bytes(kind, send, n)  # already x's layout, dim shrunk
-        except (RuntimeError, NotImplementedError) as e:
-            if not _unsupported(e):
-                raise
-        work = dist.all_reduce(send, group=group, async_op=True)
-        rank = dist.get_rank(group)
-        return work, (lambda: send[rank]), bus_bytes(kind, send, n)
+        work, finish = start_reduce_scatter(send, group, async_op=True)  # x's layout, dim shrunk
+        return work, finish, bus_bytes(kind, send, n)
     raise ValueError(f"unknown collective kind {kind!r}; one of {', '.join(_TRANSPOSE)}")
 
 
