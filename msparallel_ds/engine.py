@@ -37,7 +37,8 @@ from . import runtime
 from .context_parallel.batch import inputs_and_targets
 from .distributed.collectives import start_sum_over, sum_over
 from .distributed.layout import ParallelLayout
-from .loss import check_batch, check_finite_step, grads_norm_flag, start_global_token_counts, token_loss_sum
+from .loss import (check_batch, check_finite_step, global_counts_and_loss, grads_norm_flag, start_global_token_counts,
+                   token_loss_sum)
 from .strategy import Applied
 
 __all__ = ["Engine", "initialize"]
@@ -100,15 +101,18 @@ class Engine:
         dp, gas = self.layout.size("dp"), self.gradient_accumulation_steps
         mtp = self.applied.mtp  # each MTP depth's token count joins the LM's in one all-reduce
         all_labels = [labels, *(mtp.shifted_labels(labels) if mtp is not None else [])]
-        # The two step-level all-reduces (global token count, step loss) run behind the forward and the last
-        # backward: started before, waited where the value is first needed (plain DeepSpeed makes neither).
-        counts_ready = start_global_token_counts(all_labels, self.layout, self.device)
+        interleave = self.applied.interleave
+        summed_copies = interleave is not None and interleave.copy_loss == "sum"  # MindSpore's (interleave.multi_copy)
+        # Step-level values plain DeepSpeed does not reduce: the global token count (before the first backward) and
+        # the step's loss sum (before the optimizer step). One micro-batch: both from one all-reduce after its
+        # forward. Several: the count's all-reduce runs behind the first forward, the loss's behind the last
+        # backward (started before, waited where first needed).
+        fused = gas == 1 and not summed_copies
+        counts_ready = None if fused else start_global_token_counts(all_labels, self.layout, self.device)
         counts = None
         mtp_total = torch.zeros(len(all_labels) - 1, dtype=torch.float32, device=self.device)
         self.model.train()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        interleave = self.applied.interleave
-        summed_copies = interleave is not None and interleave.copy_loss == "sum"  # MindSpore's (interleave.multi_copy)
         for m in range(gas):
             rows = slice(m * self.micro_batch_size, (m + 1) * self.micro_batch_size)
             micro = self._micro(batch, rows)
@@ -126,6 +130,8 @@ class Engine:
                 self.ds.step()
                 continue
             loss_sum = self._token_loss_sum(logits, targets)
+            if fused:
+                counts, step_total = global_counts_and_loss(all_labels, loss_sum, self.layout, self.device)
             counts = counts if counts is not None else counts_ready()
             loss = loss_sum * (self._grad_divisor / counts[0])
             if mtp is not None:  # mtp_loss_scaling_factor / D x each depth's token mean, logged apart
@@ -133,7 +139,11 @@ class Engine:
                 loss = loss + sum(s_ * (self._grad_divisor * mtp.scale / mtp.depth / n)
                                   for s_, n in zip(sums, counts[1:]))
                 mtp_total += torch.stack([s_.detach().float() for s_ in sums])
-            total_ready = self._add_to_total(m, total, loss_sum)
+            if fused:
+                total.copy_(step_total)
+                total_ready = (lambda: total)
+            else:
+                total_ready = self._add_to_total(m, total, loss_sum)
             self.ds.backward(loss, scale_wrt_gas=False)
             self._before_step(m, total_ready)
             self.ds.step()
