@@ -130,20 +130,19 @@ class Engine:
                 self.ds.step()
                 continue
             loss_sum = self._token_loss_sum(logits, targets)
-            if fused:
+            if fused:  # the step's whole loss is known: its global sum comes with the count
                 counts, step_total = global_counts_and_loss(all_labels, loss_sum, self.layout, self.device)
-            counts = counts if counts is not None else counts_ready()
+                total.copy_(step_total)
+                total_ready = (lambda: total)
+            else:
+                total_ready = self._add_to_total(m, total, loss_sum)
+                counts = counts if counts is not None else counts_ready()
             loss = loss_sum * (self._grad_divisor / counts[0])
             if mtp is not None:  # mtp_loss_scaling_factor / D x each depth's token mean, logged apart
                 sums = mtp.loss_sums(self.applied.output_head(self.model), mtp_targets)
                 loss = loss + sum(s_ * (self._grad_divisor * mtp.scale / mtp.depth / n)
                                   for s_, n in zip(sums, counts[1:]))
                 mtp_total += torch.stack([s_.detach().float() for s_ in sums])
-            if fused:
-                total.copy_(step_total)
-                total_ready = (lambda: total)
-            else:
-                total_ready = self._add_to_total(m, total, loss_sum)
             self.ds.backward(loss, scale_wrt_gas=False)
             self._before_step(m, total_ready)
             self.ds.step()

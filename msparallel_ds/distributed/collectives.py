@@ -90,18 +90,12 @@ def all_gather_along(x: Tensor, group, dim: int) -> Tensor:
     return out.unflatten(0, (n, x.shape[0])).movedim(0, dim).flatten(dim, dim + 1)
 
 
-_NATIVE_RS: dict = {}
-
-
 def _native_reduce_scatter(group) -> bool:
     """Whether the group's backend has a real reduce-scatter. gloo's reduce_scatter_tensor is a full all-reduce of a
     clone plus a copy of this rank's block (ProcessGroupGloo::reduce_scatter_tensor_coalesced, torch 2.x): it moves
     all-reduce bytes, so sequence parallel paid an all-reduce AND an all-gather where tp alone pays one all-reduce.
     There an all-to-all of the destination blocks and a local sum move what a reduce-scatter should."""
-    key = id(group)
-    if key not in _NATIVE_RS:
-        _NATIVE_RS[key] = dist.get_backend(group) != "gloo"
-    return _NATIVE_RS[key]
+    return dist.get_backend(group) != "gloo"
 
 
 def start_reduce_scatter(send: Tensor, group, async_op: bool = False) -> tuple[Optional[object], Callable[[], Tensor]]:
