@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -154,11 +154,13 @@ _PEER_FIELDS = ("batch", "s_local", "num_heads", "num_kv_heads", "head_dim", "v_
                 "softmax_scale", "algo", "doc_ids given")
 
 
-def _check_peers(layout: ParallelLayout, q: Any, k: Any, v: Any, causal: bool, scale: float, name: Optional[str],
-                 doc_ids: Any, error: Optional[Exception]) -> None:
-    """One all-gather of [ok, *_PEER_FIELDS] over cp; a ValueError on every rank whose own inputs passed when any
-    cp peer's differ or were rejected (a rank that rejected its own raises its own error)."""
-    from ..distributed.collectives import dtype_code, gather_ints
+def _start_peer_check(layout: ParallelLayout, q: Any, k: Any, v: Any, causal: bool, scale: float,
+                      name: Optional[str], doc_ids: Any, error: Optional[Exception]) -> Callable[[], None]:
+    """Start one all-gather of [ok, *_PEER_FIELDS] over cp; the returned verdict() waits for it and raises a
+    ValueError on every rank whose own inputs passed when any cp peer's differ or were rejected (a rank that
+    rejected its own raises its own error after it). verdict() must run before the attention's first collective
+    (peers that disagree on shapes would hang or abort it); until then its latency hides behind local work."""
+    from ..distributed.collectives import dtype_code, start_gather_ints
 
     if error is None:
         b, s, h, d = q.shape
@@ -168,7 +170,11 @@ def _check_peers(layout: ParallelLayout, q: Any, k: Any, v: Any, causal: bool, s
     else:
         meta = [0] * (len(_PEER_FIELDS) + 1)
     device = q.device if isinstance(q, Tensor) else torch.device(getattr(layout, "device_type", "cpu"))
-    rows = gather_ints(meta, layout.group("cp"), device)
+    wait = start_gather_ints(meta, layout.group("cp"), device)
+    return lambda: _verdict(layout, wait(), error)
+
+
+def _verdict(layout: ParallelLayout, rows: list[list[int]], error: Optional[Exception]) -> None:
     if error is not None:
         return
     ranks = dist.get_process_group_ranks(layout.group("cp"))
@@ -219,6 +225,7 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: Parallel
     Before its first collective every cp rank all-gathers a few ints (its input check's verdict, batch, s_local,
     heads, kv heads, head_dims, dtype, causal, scale, algo, doc_ids or not), so inputs that differ between cp ranks
     (or a rank that rejected its inputs) are one clear error on every cp rank instead of a hang or a backend abort.
+    Ulysses and hybrid start it async and wait for it once their first send buffer is built.
     `layout.check_cp_agreement = False` skips that tiny collective (one per call)."""
     _check_layout(layout)
     cp = layout.size("cp")
@@ -230,11 +237,18 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: Parallel
         name, scale = _check_inputs(q, k, v, layout, causal, softmax_scale, algo, doc_ids)
     except (TypeError, ValueError) as e:
         error = e
+    verdict = None
     if getattr(layout, "check_cp_agreement", True) and dist.is_initialized():  # no peers without a process group
-        _check_peers(layout, q, k, v, causal, scale, name, doc_ids, error)
+        verdict = _start_peer_check(layout, q, k, v, causal, scale, name, doc_ids, error)
     if error is not None:
+        if verdict is not None:
+            verdict()
         raise error
     kw = dict(causal=causal, scale=scale, backend=backend)
+    if name in ("ulysses", "hybrid") and doc_ids is None:
+        kw["before_send"] = verdict  # waited once the first all-to-all's send buffer is built
+    elif verdict is not None:
+        verdict()
     if doc_ids is not None:
         kw["doc_ids"] = doc_ids.to(q.device)
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # the one transpose to the kernels' [b, h, s, d]

@@ -8,7 +8,7 @@ sits inside ring (overlappable P2P, across nodes), matching the mesh order in DE
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Callable, Optional, Union
 
 import torch.distributed as dist
 from torch import Tensor
@@ -32,11 +32,13 @@ def _groups(layout_or_groups: Any):
 
 
 def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, layout_or_groups: Any, *, causal: bool, scale: float,
-                     backend: Union[None, str, Backend] = None) -> Tensor:
+                     backend: Union[None, str, Backend] = None,
+                     before_send: Optional[Callable[[], None]] = None) -> Tensor:
     """q [b, h, s_local, d], k [b, h_kv, s_local, d], v [b, h_kv, s_local, d_v] in the hybrid zigzag layout;
     returns [b, h, s_local, d_v].
 
-    Any (cp_ring, cp_ulysses) pair works: U = 1 is plain ring, R = 1 is plain Ulysses.
+    Any (cp_ring, cp_ulysses) pair works: U = 1 is plain ring, R = 1 is plain Ulysses. before_send() runs
+    before the first collective.
     """
     ring_group, ulysses_group = _groups(layout_or_groups)
     be = resolve_backend(backend, q)
@@ -48,4 +50,4 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, layout_or_groups: Any, *, 
 
         def inner(q_, k_, v_):
             return ring_attention(q_, k_, v_, ring_group, causal=causal, scale=scale, backend=be)
-    return ulysses_wrap(q, k, v, ulysses_group, inner)
+    return ulysses_wrap(q, k, v, ulysses_group, inner, before_send)

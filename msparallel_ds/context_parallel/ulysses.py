@@ -13,7 +13,7 @@ crosses a document and no [S, S] mask is built.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -110,43 +110,67 @@ def check_ulysses_heads(num_heads: int, num_kv_heads: int, degree: int) -> None:
                      f"context_parallel_algo colossalai_cp (ring/all-gather have no head constraint).")
 
 
-def _a2a(send: Tensor, group, source: Tensor) -> Tensor:
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    if send.untyped_storage().data_ptr() != source.untyped_storage().data_ptr():  # our copy, not the caller's
-        release(send)
-    return recv
+def _exchange(sends: Iterable[tuple[Tensor, Tensor]], group, finish: Callable[[Tensor, int], Tensor],
+              before_send: Optional[Callable[[], None]] = None) -> list[Tensor]:
+    """All-to-all each (send, source) pair's send buffer; [finish(received, i)] in order. Each exchange starts as
+    soon as its buffer is built (the caller builds them lazily), so a tensor's copy overlaps the previous one's
+    transfer; a send buffer we allocated (not the caller's source memory) is freed, and the received one handed
+    to finish, as soon as its exchange is done. before_send() (the api's peer check) runs once the first buffer
+    is built, before anything is sent."""
+    pending = []
+    for send, source in sends:
+        if before_send is not None:
+            before_send()
+            before_send = None
+        recv = torch.empty_like(send)
+        pending.append((send, source, recv, dist.all_to_all_single(recv, send, group=group, async_op=True)))
+    out = []
+    for i in range(len(pending)):
+        send, source, recv, work = pending[i]
+        pending[i] = None  # the loop holds the buffers no longer than their exchange
+        work.wait()
+        if send.untyped_storage().data_ptr() != source.untyped_storage().data_ptr():
+            release(send)
+        del send, source
+        out.append(finish(recv, i))
+        del recv
+    return out
 
 
-def _to_heads(x: Tensor, group, rep: int) -> Tensor:
-    """[b, h, s, d] (sequence piece `rank`, any strides) -> [b, h*rep/U, U*s, d] (head chunk `rank`) with each head
-    replicated `rep` times (GQA, U % h_kv == 0). The one copy builds the send buffer [U(dst), b, s, h/U, d]; the
-    received [U(src), b, s, h/U, d] is the sequence in rank order, so for b == 1 the result is a view of it, in
-    [b, s, h, d] memory: what the CPU flash kernels read (and take dout in) without a copy of their own."""
-    u = dist.get_world_size(group)
+def _heads_send(x: Tensor, u: int, rep: int) -> Tensor:
+    """[b, h, s, d] (sequence piece `rank`, any strides) -> the send buffer [U(dst), b, s, h*rep/U, d] with each
+    head replicated `rep` times (GQA, U % h_kv == 0). The one copy; for rep == 1 a [b, s, h, d]-memory input with
+    b == 1 needs none (splitting h is a view)."""
     b, h, s, d = x.shape
-    hu = h * rep // u
     src = x.transpose(1, 2)  # [b, s, h, d]
-    if rep == 1:  # splitting h is a view; a [b, s, h, d]-memory input with b == 1 needs no copy at all
-        send = src.reshape(b, s, u, hu, d).permute(2, 0, 1, 3, 4).contiguous()
-    else:  # destination j gets kv head j // rep: the replication is this same copy (hu == 1)
-        send = torch.empty(u, b, s, hu, d, dtype=x.dtype, device=x.device)
-        send.view(h, rep, b, s, d).copy_(src.permute(2, 0, 1, 3).unsqueeze(1))
-    recv = _a2a(send, group, x)
+    if rep == 1:
+        return src.reshape(b, s, u, h // u, d).permute(2, 0, 1, 3, 4).contiguous()
+    send = torch.empty(u, b, s, h * rep // u, d, dtype=x.dtype, device=x.device)  # destination j: kv head j // rep
+    send.view(h, rep, b, s, d).copy_(src.permute(2, 0, 1, 3).unsqueeze(1))
+    return send
+
+
+def _heads_view(recv: Tensor) -> Tensor:
+    """The received [U(src), b, s, hu, d] (the sequence in rank order) as [b, hu, U*s, d]; for b == 1 a view in
+    [b, s, h, d] memory: what the CPU flash kernels read (and take dout in) without a copy of their own."""
+    u, b, s, hu, d = recv.shape
     out = recv.view(b, u * s, hu, d) if b == 1 else recv.transpose(0, 1).reshape(b, u * s, hu, d)
     return out.transpose(1, 2)
 
 
-def _to_seq(y: Tensor, group, rep: int) -> Tensor:
-    """Inverse of _to_heads: [b, h*rep/U, U*s, d] -> [b, h, s, d] in [b, s, h, d] memory (the layout the caller's
-    [b, s, h, d] tensors have); rep > 1 sums each head's replicas (the gradient of the replication)."""
-    u = dist.get_world_size(group)
+def _seq_send(y: Tensor, u: int) -> Tensor:
+    """[b, hu, U*s, d] -> the send buffer [U(dst), b, s, hu, d]: a view for a [b, s, h, d]-memory y with b == 1
+    (what _heads_view and the kernels give)."""
     b, hu, us, d = y.shape
-    s = us // u
-    # [U(dst), b, s, hu, d]: a view for a [b, s, h, d]-memory y with b == 1 (what _to_heads and the kernels give)
-    recv = _a2a(y.transpose(1, 2).reshape(b, u, s, hu, d).transpose(0, 1).contiguous(), group, y)  # [U(src), ..]
+    return y.transpose(1, 2).reshape(b, u, us // u, hu, d).transpose(0, 1).contiguous()
+
+
+def _seq_view(recv: Tensor, rep: int) -> Tensor:
+    """The received [U(src), b, s, hu, d] -> [b, h, s, d] in [b, s, h, d] memory (the layout the caller's
+    [b, s, h, d] tensors have); rep > 1 sums each head's replicas (the gradient of the replication)."""
+    u, b, s, hu, d = recv.shape
     h = u * hu // rep
-    out = torch.empty(b, s, h, d, dtype=y.dtype, device=y.device)
+    out = torch.empty(b, s, h, d, dtype=recv.dtype, device=recv.device)
     if rep == 1:
         out.view(b, s, u, hu, d).copy_(recv.permute(1, 2, 0, 3, 4))
     else:  # source j held a replica of kv head j // rep (hu == 1)
@@ -154,47 +178,64 @@ def _to_seq(y: Tensor, group, rep: int) -> Tensor:
     return out.transpose(1, 2)
 
 
+def _to_heads(xs: tuple[Tensor, ...], reps: tuple[int, ...], group, before_send=None) -> list[Tensor]:
+    u = dist.get_world_size(group)
+    sends = ((_heads_send(x, u, rep), x) for x, rep in zip(xs, reps))
+    return _exchange(sends, group, lambda recv, i: _heads_view(recv), before_send)
+
+
+def _to_seq(ys: tuple[Tensor, ...], reps: tuple[int, ...], group) -> list[Tensor]:
+    u = dist.get_world_size(group)
+    return _exchange(((_seq_send(y, u), y) for y in ys), group, lambda recv, i: _seq_view(recv, reps[i]))
+
+
 class _ToHeads(torch.autograd.Function):
-    """seq -> head all-to-all (with GQA replication); backward is the inverse, summing the replicas."""
+    """seq -> head all-to-all of q, k, v together (k/v with GQA replication `rep`): the three exchanges are in
+    flight at once, each copy overlapping the previous transfer; backward is the inverse, summing the replicas."""
 
     @staticmethod
-    def forward(ctx, x, group, rep):
-        ctx.group, ctx.rep = group, rep
-        return _to_heads(x, group, rep)
+    def forward(ctx, q, k, v, group, rep, before_send):
+        ctx.group, ctx.reps = group, (1, rep, rep)
+        return tuple(_to_heads((q, k, v), ctx.reps, group, before_send))
 
     @staticmethod
-    def backward(ctx, grad):
-        return _to_seq(grad, ctx.group, ctx.rep), None, None
+    def backward(ctx, dq, dk, dv):
+        return (*_to_seq((dq, dk, dv), ctx.reps, ctx.group), None, None, None)
 
 
 class _ToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, group):
         ctx.group = group
-        return _to_seq(y, group, 1)
+        return _to_seq((y,), (1,), group)[0]
 
     @staticmethod
     def backward(ctx, grad):
-        return _to_heads(grad, ctx.group, 1), None
+        return _to_heads((grad,), (1,), ctx.group)[0], None
 
 
 # ---------------------------------------------------------------------------------------------- attention
-def ulysses_wrap(q: Tensor, k: Tensor, v: Tensor, group, inner: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+def ulysses_wrap(q: Tensor, k: Tensor, v: Tensor, group, inner: Callable[[Tensor, Tensor, Tensor], Tensor],
+                 before_send: Optional[Callable[[], None]] = None) -> Tensor:
     """all-to-all q/k/v to head-sharded over `group`, out = inner(q, k, v) on the gathered sequence, all-to-all back.
 
-    Shared by Ulysses (inner = local attention) and hybrid (inner = ring attention over cp_ring).
+    Shared by Ulysses (inner = local attention) and hybrid (inner = ring attention over cp_ring). before_send()
+    runs before the first collective (once q's send buffer is built).
     """
     u = dist.get_world_size(group)
     check_ulysses_heads(q.shape[1], k.shape[1], u)
     if u == 1:
+        if before_send is not None:
+            before_send()
         return inner(q, k, v)
     rep = 1 if k.shape[1] % u == 0 else u // k.shape[1]  # h_kv < U: each kv head U/h_kv times (check above)
-    qh, kh, vh = _ToHeads.apply(q, group, 1), _ToHeads.apply(k, group, rep), _ToHeads.apply(v, group, rep)
+    qh, kh, vh = _ToHeads.apply(q, k, v, group, rep, before_send)
     return _ToSeq.apply(inner(qh, kh, vh), group)
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group, *, causal: bool, scale: float,
-                      backend: Union[None, str, Backend] = None, doc_ids: Optional[Tensor] = None) -> Tensor:
+                      backend: Union[None, str, Backend] = None, doc_ids: Optional[Tensor] = None,
+                      before_send: Optional[Callable[[], None]] = None) -> Tensor:
     """q [b, h, s_local, d], k [b, h_kv, s_local, d], v [b, h_kv, s_local, d_v]: this rank's contiguous sequence
     piece (rank order) over `group`. Returns [b, h, s_local, d_v]. Autograd flows through both all-to-alls and the
     block kernels.
@@ -202,7 +243,10 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group, *, causal: bool, s
     be = resolve_backend(backend, q)
     if doc_ids is None:
         return ulysses_wrap(q, k, v, group, lambda q_, k_, v_: local_attention(q_, k_, v_, causal=causal,
-                                                                                scale=scale, backend=be))
+                                                                                scale=scale, backend=be),
+                            before_send)
+    if before_send is not None:
+        before_send()
     full = gather_doc_ids(doc_ids, group, 1, dist.get_world_size(group))
     plan = doc_blocks(full, [(0, 0, full.shape[1])], causal)
     return ulysses_wrap(q, k, v, group, lambda q_, k_, v_: _PackedAttention.apply(q_, k_, v_, plan, scale, be))

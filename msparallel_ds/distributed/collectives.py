@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from .layout import ParallelLayout
 
 __all__ = ["all_reduce", "all_gather_along", "all_to_all_v", "exchange_counts", "reduce_scatter_along",
-           "start_reduce_scatter", "split_along", "gather_ints", "dtype_code", "sum_over", "start_sum_over",
-           "all_reduce_flat", "clip_grad_norm_"]
+           "start_reduce_scatter", "split_along", "gather_ints", "start_gather_ints", "dtype_code", "sum_over",
+           "start_sum_over", "all_reduce_flat", "clip_grad_norm_"]
 
 
 # ---------------------------------------------------------------------------------------------- group-level
@@ -169,11 +169,24 @@ def dtype_code(dtype) -> int:
 def gather_ints(values: Sequence[int], group, device=None) -> list[list[int]]:
     """Every rank's `values` (int64 range, the same count on every rank) in group-rank order, from one all-gather;
     `device`: where the tensor goes (the group's backend must accept it; default CPU). [values] on a size-1 group."""
+    return start_gather_ints(values, group, device)()
+
+
+def start_gather_ints(values: Sequence[int], group, device=None) -> Callable[[], list[list[int]]]:
+    """gather_ints started async; returns wait(), which gives the rows (the latency hides behind what runs between
+    the two, e.g. building the next collective's send buffer)."""
     n = _size(group)
     if n == 1:
-        return [list(values)]
+        return lambda: [list(values)]
     x = torch.tensor(list(values), dtype=torch.int64, device=device)
-    return _gather_concat(x, group, n).view(n, -1).cpu().tolist()
+    out = x.new_empty((n, x.numel()))
+    work = dist.all_gather(list(out.unbind(0)), x, group=group, async_op=True)  # the list form: every backend
+
+    def wait() -> list[list[int]]:
+        work.wait()
+        return out.cpu().tolist()
+
+    return wait
 
 
 # ---------------------------------------------------------------------------------------------- layout-level
