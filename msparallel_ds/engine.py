@@ -37,8 +37,7 @@ from . import runtime
 from .context_parallel.batch import inputs_and_targets
 from .distributed.collectives import start_sum_over, sum_over
 from .distributed.layout import ParallelLayout
-from .loss import (check_batch, check_finite_step, global_counts_and_loss, grads_norm_flag, start_global_token_counts,
-                   token_loss_sum)
+from .loss import check_batch, check_finite_step, grads_norm_flag, start_global_token_counts, token_loss_sum
 from .strategy import Applied
 
 __all__ = ["Engine", "initialize"]
@@ -104,11 +103,10 @@ class Engine:
         interleave = self.applied.interleave
         summed_copies = interleave is not None and interleave.copy_loss == "sum"  # MindSpore's (interleave.multi_copy)
         # Step-level values plain DeepSpeed does not reduce: the global token count (before the first backward) and
-        # the step's loss sum (before the optimizer step). One micro-batch: both from one all-reduce after its
-        # forward. Several: the count's all-reduce runs behind the first forward, the loss's behind the last
-        # backward (started before, waited where first needed).
-        fused = gas == 1 and not summed_copies
-        counts_ready = None if fused else start_global_token_counts(all_labels, self.layout, self.device)
+        # the step's loss sum (before the optimizer step). Both all-reduces run async, the count's behind the first
+        # forward, the loss's behind the last backward; one blocking all-reduce of both after a single micro-batch's
+        # forward measured slower (benchmarks/README.md, overhead): it adds a rendezvous mid-step.
+        counts_ready = start_global_token_counts(all_labels, self.layout, self.device)
         counts = None
         mtp_total = torch.zeros(len(all_labels) - 1, dtype=torch.float32, device=self.device)
         self.model.train()
@@ -130,13 +128,8 @@ class Engine:
                 self.ds.step()
                 continue
             loss_sum = self._token_loss_sum(logits, targets)
-            if fused:  # the step's whole loss is known: its global sum comes with the count
-                counts, step_total = global_counts_and_loss(all_labels, loss_sum, self.layout, self.device)
-                total.copy_(step_total)
-                total_ready = (lambda: total)
-            else:
-                total_ready = self._add_to_total(m, total, loss_sum)
-                counts = counts if counts is not None else counts_ready()
+            total_ready = self._add_to_total(m, total, loss_sum)
+            counts = counts if counts is not None else counts_ready()
             loss = loss_sum * (self._grad_divisor / counts[0])
             if mtp is not None:  # mtp_loss_scaling_factor / D x each depth's token mean, logged apart
                 sums = mtp.loss_sums(self.applied.output_head(self.model), mtp_targets)

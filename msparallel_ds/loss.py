@@ -21,7 +21,7 @@ from .distributed.collectives import start_sum_over
 from .distributed.layout import ParallelLayout
 
 __all__ = ["check_batch", "check_finite_step", "global_token_count", "global_token_counts",
-           "start_global_token_counts", "global_counts_and_loss", "grads_norm_flag", "token_loss_sum"]
+           "start_global_token_counts", "grads_norm_flag", "token_loss_sum"]
 
 
 def check_batch(batch: Mapping[str, Any], engine, accumulation_key: str) -> tuple[Tensor, Tensor]:
@@ -175,17 +175,6 @@ def start_global_token_counts(labels: Sequence[Tensor], layout: ParallelLayout, 
     forward runs meanwhile, so the count costs no latency of its own)."""
     wait = start_sum_over(layout, "dp", _local_counts(labels, device))
     return lambda: wait().clamp_min(1.0)
-
-
-def global_counts_and_loss(labels: Sequence[Tensor], loss_sum: Tensor, layout: ParallelLayout,
-                           device) -> tuple[Tensor, Tensor]:
-    """(global_token_counts(labels), loss_sum summed over dp x cp) from ONE all-reduce, for a step of one
-    micro-batch (its loss is known before its backward needs the count). cp peers hold the same rows (checked by
-    check_batch), so the counts summed over dp x cp are cp x the dp sum: exact in fp32 below 2**24 tokens per
-    rank."""
-    local = torch.cat([_local_counts(labels, device), loss_sum.detach().float().reshape(1)])
-    summed = start_sum_over(layout, "dp_cp", local)()
-    return (summed[:-1] / layout.size("cp")).clamp_min(1.0), summed[-1]
 
 
 def token_loss_sum(logits: Tensor, targets: Tensor, head: Optional[nn.Module]) -> Tensor:
