@@ -188,6 +188,48 @@ def test_bf16_error_does_not_grow_and_causal_blocks_are_skipped():
     assert len(area) == 1, area
 
 
+def _tiled_backward(rank, world_size):
+    """Local segments long enough that the ring backward runs in tiles (ring._MIN_PIECE): parity, and the tiles'
+    work equals the untiled blocks' (nothing causality hides is computed, nothing is computed twice)."""
+    from msparallel_ds.context_parallel import ring
+
+    lay = _layout(world_size, cp_ring=world_size)
+    real, area = ring.block_backward, []
+
+    def counting(*a, **kw):
+        q_, k_ = a[1], a[2]
+        area.append((q_.shape[2] * k_.shape[2], kw["causal"], q_.shape[2] == k_.shape[2]))
+        return real(*a, **kw)
+
+    ring.block_backward = counting
+    try:
+        out = {}
+        for causal in (True, False):
+            area.clear()
+            out[causal] = (_run_case(ring.ring_attention, lay.group("cp_ring"), 1200, 2, torch.float64, causal),
+                           list(area))
+        return out
+    finally:
+        ring.block_backward = real
+
+
+@pytest.mark.distributed
+def test_ring_backward_tiles_long_segments():
+    world, s = 2, 600  # local tokens: pieces of max(600 / 4, 128) = 150, 4 per side
+    res = run_distributed(_tiled_backward, world, timeout=240)
+    for rank, per in enumerate(res):
+        for causal, (err, calls) in per.items():
+            assert max(err) < TOL[torch.float64], (rank, causal, err)
+            assert len(calls) > world  # tiled: more than one call per ring step
+            half = s // 2
+            # untiled work: causal = the diagonal's lower triangle in 150-token squares (4 x 150^2 causal + 6 x
+            # 150^2 full) + (R-1) half blocks (s x s/2); non-causal = R full blocks
+            want = (4 + 6) * 150 * 150 + (world - 1) * s * half if causal else world * s * s
+            assert sum(a for a, _, _ in calls) == want, (rank, causal, calls)
+            assert all(sq for _, c, sq in calls if c)  # causal calls only on square diagonal tiles
+            assert sum(c for _, c, _ in calls) == (4 if causal else 0)
+
+
 def test_bad_inputs_are_clear_errors():
     from msparallel_ds.context_parallel.allgather import allgather_attention
     from msparallel_ds.context_parallel.ring import ring_attention

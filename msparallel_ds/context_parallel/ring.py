@@ -9,7 +9,9 @@ Causal zigzag, block from src at rank r (half = s/2):
     src >  r: only the SECOND half of local queries vs all of src's K/V; the first half sees nothing: skipped
 so every rank does 1 diagonal + (R-1) half blocks. The running (out, lse) stays fp32 (kernels.merge) and is rounded
 to q.dtype once. Backward is a second ring: dq accumulates locally in fp32, dK/dV for the block held travel one step
-behind K/V in an fp32 buffer and arrive at their owner after R hops.
+behind K/V in an fp32 buffer and arrive at their owner after R hops. A backward block longer than a tile (below) is
+computed tile by tile, the diagonal as causal squares plus fully visible tiles under it: the kernel's fresh
+dq/dk/dv and softmax buffers (what set the per-rank peak) are then tile-sized; same blocks, same fp32 sums.
 """
 from __future__ import annotations
 
@@ -103,6 +105,41 @@ def forward_step(q: Tensor, kb: Tensor, vb: Tensor, src: int, rank: int, out: Op
     return out, lse
 
 
+# Backward tiles: a side of at most 1/_PIECES of the local segment, so a call's fresh buffers are about 1/4 of a
+# whole-block call's while the calls per step stay fixed whatever the length (GPUs keep large calls); never below
+# _MIN_PIECE tokens (as allgather's: shorter tiles would cost more in calls than they save).
+_MIN_PIECE = 128
+_PIECES = 4
+
+
+def _block(src: int, rank: int, s: int, causal: bool) -> tuple[tuple[int, int], tuple[int, int], bool]:
+    """(query range, key range, causal) of what this rank computes against ring rank src's K/V (forward_step's
+    rules): what causality hides is never part of it."""
+    half = s // 2
+    if not causal or src == rank:
+        return (0, s), (0, s), causal
+    return ((0, s), (0, half), False) if src < rank else ((half, s), (0, s), False)
+
+
+def _cuts(a: int, b: int, piece: int) -> list[tuple[int, int]]:
+    """[a, b) as ceil((b - a) / piece) near-equal ranges; itself when it is no longer than piece."""
+    m = max(1, -(-(b - a) // piece))
+    return [(a + (b - a) * i // m, a + (b - a) * (i + 1) // m) for i in range(m)]
+
+
+def backward_tiles(qr: tuple[int, int], kr: tuple[int, int], causal: bool,
+                   piece: int) -> list[tuple[slice, slice, bool]]:
+    """One block's backward as (query slice, key slice, causal) tiles of at most `piece` tokens a side, so a call's
+    fresh dq/dk/dv and softmax buffers scale with the tile, not the block. A causal (square, diagonal) block becomes
+    causal squares on its diagonal plus fully visible tiles below it (square only: the backends disagree on how a
+    non-square causal block is aligned); above the diagonal nothing is computed. A block no longer than piece a
+    side stays one call."""
+    qc, kc = _cuts(*qr, piece), _cuts(*kr, piece)
+    if causal:  # qr == kr: query piece i sees key pieces j < i fully and j == i causally
+        return [(slice(*a), slice(*b), a == b) for i, a in enumerate(qc) for b in kc[:i + 1]]
+    return [(slice(*a), slice(*b), False) for a in qc for b in kc]
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, backend):
@@ -130,12 +167,11 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, causal, scale, backend = ctx.ring, ctx.causal, ctx.scale, ctx.backend
-        R, r, half = ring.size, ring.rank, q.shape[2] // 2
+        R, r, s = ring.size, ring.rank, q.shape[2]
         acc = _acc_dtype(q.dtype)
-        # dout stays a view: the CPU kernel copies it per call (transient) rather than for the whole backward
-        if causal:  # the half-query blocks need the matching halves of the final out/lse/dout (views, no copies)
-            q_hi, out_hi, lse_hi, dout_hi = (t[:, :, half:] for t in (q, out, lse, dout))
-        dq = None  # step 0 is always the own (full) block: its dq becomes the fp32 accumulator
+        piece = max(-(-s // _PIECES), _MIN_PIECE)
+        # dout/q/out/lse tiles are views: the CPU kernel copies dout per call (tile-sized), not for the whole backward
+        dq = mk = mv = None  # untiled, step 0 (always the own full block) hands its dq over as the fp32 accumulator
         kv = pack_kv(k, v)
         kv_reqs = dkv_reqs = nxt = dkv_in = dkv_out = None
         for step in range(R):
@@ -148,29 +184,40 @@ class _RingAttention(torch.autograd.Function):
                 nxt = torch.empty_like(kv)
                 kv_reqs = ring.exchange(kv, nxt, _TAG_KV)
             kb, vb = unpack_kv(kv, k.shape, v.shape)
-            if not causal or src == r:
-                g = block_backward(dout, q, kb, vb, out, lse, causal=causal, scale=scale, backend=backend)
-                dq = g[0].to(acc) if dq is None else dq.add_(g[0])
-                kv_part = slice(None)
-            elif src < r:  # mirror the forward: only the first half of src's K/V was seen
-                g = block_backward(dout, q, kb[:, :, :half], vb[:, :, :half], out, lse, causal=False,
-                                   scale=scale, backend=backend)
-                dq += g[0]
-                kv_part = slice(0, half)
-            else:  # only the second half of our queries saw src's K/V
-                g = block_backward(dout_hi, q_hi, kb, vb, out_hi, lse_hi, causal=False, scale=scale, backend=backend)
-                dq[:, :, half:] += g[0]
-                kv_part = slice(None)
+            tiles = backward_tiles(*_block(src, r, s, causal), piece)
+            # tiled: this rank's fp32 dK/dV of the block, summed tile by tile so one tile's grads are alive at a time.
+            # Its own buffer: waiting for the travelling sum before the first tile would stop its transfer overlapping
+            # this step's compute.
+            mine = None
+            if len(tiles) > 1:
+                mine = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+                mk, mv = unpack_kv(mine, k.shape, v.shape)
+                if dq is None:
+                    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+            for qs, ks, tile_causal in tiles:
+                g = block_backward(dout[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks], out[:, :, qs],
+                                   lse[:, :, qs], causal=tile_causal, scale=scale, backend=backend)
+                if dq is None:
+                    dq = g[0].to(acc)
+                else:
+                    dq[:, :, qs] += g[0]
+                if mine is not None:
+                    mk[:, :, ks] += g[1]
+                    mv[:, :, ks] += g[2]
+                    g = None  # before the next tile's call allocates its own
             if step > 0:  # the earlier holders' fp32 sum for this block, sent by prev while we computed
                 _wait(dkv_reqs)
                 release(dkv_out)
                 dkv = dkv_in
             else:
-                dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-            dkb, dvb = unpack_kv(dkv, k.shape, v.shape)
-            dkb[:, :, kv_part] += g[1]
-            dvb[:, :, kv_part] += g[2]
-            del g  # before the next step's kernel call: two steps' block gradients never coexist
+                dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device) if mine is None else mine
+            if mine is None:  # one tile: its grads go straight into the travelling sum
+                dkb, dvb = unpack_kv(dkv, k.shape, v.shape)
+                dkb[:, :, ks] += g[1]
+                dvb[:, :, ks] += g[2]
+            elif dkv is not mine:
+                dkv.add_(mine)
+            g = mine = mk = mv = None  # before the next step's kernel call: two steps' block gradients never coexist
             if R > 1:  # after R hops each block's sum reaches its owner
                 dkv_out, dkv_in = dkv, torch.empty_like(dkv)  # dkv_out stays referenced until its send is waited
                 dkv_reqs = ring.exchange(dkv_out, dkv_in, _TAG_DKV)
