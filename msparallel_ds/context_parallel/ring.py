@@ -133,11 +133,24 @@ def backward_tiles(qr: tuple[int, int], kr: tuple[int, int], causal: bool,
     fresh dq/dk/dv and softmax buffers scale with the tile, not the block. A causal (square, diagonal) block becomes
     causal squares on its diagonal plus fully visible tiles below it (square only: the backends disagree on how a
     non-square causal block is aligned); above the diagonal nothing is computed. A block no longer than piece a
-    side stays one call."""
+    side stays one call. Key-major: a key piece's dK/dV is complete once its tiles are done."""
     qc, kc = _cuts(*qr, piece), _cuts(*kr, piece)
-    if causal:  # qr == kr: query piece i sees key pieces j < i fully and j == i causally
-        return [(slice(*a), slice(*b), a == b) for i, a in enumerate(qc) for b in kc[:i + 1]]
-    return [(slice(*a), slice(*b), False) for a in qc for b in kc]
+    if causal:  # qr == kr: key piece j is seen fully by query pieces i > j and causally by i == j
+        return [(slice(*a), slice(*b), a == b) for j, b in enumerate(kc) for a in qc[j:]]
+    return [(slice(*a), slice(*b), False) for b in kc for a in qc]
+
+
+def _arrived(reqs: list, sent: Tensor, recv: Tensor, pending: list, k_shape, v_shape) -> Tensor:
+    """Wait for the dK/dV exchange, free the sum sent on, add the key pieces that finished before the incoming sum
+    arrived (pending: (key slice, dk, dv)); returns the incoming sum, now including them."""
+    _wait(reqs)
+    release(sent)
+    rk, rv = unpack_kv(recv, k_shape, v_shape)
+    for ks, dk, dv in pending:
+        rk[:, :, ks] += dk
+        rv[:, :, ks] += dv
+    pending.clear()
+    return recv
 
 
 class _RingAttention(torch.autograd.Function):
@@ -145,13 +158,14 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal, scale, backend):
         ring = _Ring(group)
         R, r = ring.size, ring.rank
-        kv = pack_kv(k, v)  # one buffer: one send per step
+        kv = own = pack_kv(k, v)  # one buffer: one send per step; kept for the backward instead of k and v
         out = lse = reqs = nxt = None
         for step in range(R):
             src = (r - step) % R
             if step > 0:
                 _wait(reqs)
-                release(kv)  # sent: pack_kv's or an earlier receive buffer
+                if kv is not own:
+                    release(kv)  # an earlier receive buffer, sent on
                 kv = nxt
             if step < R - 1:  # next block in flight while this one is computed
                 nxt = torch.empty_like(kv)
@@ -159,20 +173,27 @@ class _RingAttention(torch.autograd.Function):
             out, lse = forward_step(q, *unpack_kv(kv, k.shape, v.shape), src, r, out, lse, causal=causal, scale=scale,
                                     backend=backend)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, out, lse)
+        # The packed copy, not k and v: the backward sends it first and frees it after that send, and k/v (e.g.
+        # hybrid's all-to-all buffers) need not live until then. On ctx (an intermediate), so the backward can drop it.
+        ctx.kv, ctx.k_shape, ctx.v_shape = own, k.shape, v.shape
         ctx.ring, ctx.causal, ctx.scale, ctx.backend = ring, causal, scale, backend
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, out, lse = ctx.saved_tensors
+        kv, ctx.kv = ctx.kv, None
+        if kv is None:
+            raise RuntimeError("ring attention's backward ran a second time over the same graph (retain_graph=True): "
+                               "its K/V buffer is freed by the first backward; run the forward again instead")
+        k_shape, v_shape = ctx.k_shape, ctx.v_shape
         ring, causal, scale, backend = ctx.ring, ctx.causal, ctx.scale, ctx.backend
         R, r, s = ring.size, ring.rank, q.shape[2]
         acc = _acc_dtype(q.dtype)
         piece = max(-(-s // _PIECES), _MIN_PIECE)
         # dout/q/out/lse tiles are views: the CPU kernel copies dout per call (tile-sized), not for the whole backward
-        dq = mk = mv = None  # untiled, step 0 (always the own full block) hands its dq over as the fp32 accumulator
-        kv = pack_kv(k, v)
+        dq = None  # untiled, step 0 (always the own full block) hands its dq over as the fp32 accumulator
         kv_reqs = dkv_reqs = nxt = dkv_in = dkv_out = None
         for step in range(R):
             src = (r - step) % R
@@ -183,41 +204,39 @@ class _RingAttention(torch.autograd.Function):
             if step < R - 1:
                 nxt = torch.empty_like(kv)
                 kv_reqs = ring.exchange(kv, nxt, _TAG_KV)
-            kb, vb = unpack_kv(kv, k.shape, v.shape)
+            kb, vb = unpack_kv(kv, k_shape, v_shape)
+            if step == 0:  # the travelling fp32 dK/dV sum of this block starts here
+                dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+            # Later steps add into the sum the previous holder sends (at the end of its last step, so it is usually
+            # here by now). Its transfer overlaps at least this step's first key piece, whose dK/dV waits in a
+            # piece-sized buffer; from the second piece on it is waited for (gloo's P2P work only reports completion
+            # once waited; NCCL's does before) and every piece adds straight into it.
+            arrived, pending, column = step == 0, [], -1
             tiles = backward_tiles(*_block(src, r, s, causal), piece)
-            # tiled: this rank's fp32 dK/dV of the block, summed tile by tile so one tile's grads are alive at a time.
-            # Its own buffer: waiting for the travelling sum before the first tile would stop its transfer overlapping
-            # this step's compute.
-            mine = None
-            if len(tiles) > 1:
-                mine = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-                mk, mv = unpack_kv(mine, k.shape, v.shape)
-                if dq is None:
-                    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-            for qs, ks, tile_causal in tiles:
+            for i, (qs, ks, tile_causal) in enumerate(tiles):
+                if i == 0 or ks != tiles[i - 1][1]:  # a new key piece
+                    column += 1
+                    if not arrived and (column > 0 or dkv_reqs[-1].is_completed()):
+                        dkv, arrived = _arrived(dkv_reqs, dkv_out, dkv_in, pending, k_shape, v_shape), True
+                    if arrived:
+                        tk, tv = (t[:, :, ks] for t in unpack_kv(dkv, k_shape, v_shape))
+                    else:
+                        tk, tv = (torch.zeros_like(t[:, :, ks], dtype=acc) for t in (kb, vb))
+                        pending.append((ks, tk, tv))
                 g = block_backward(dout[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks], out[:, :, qs],
                                    lse[:, :, qs], causal=tile_causal, scale=scale, backend=backend)
-                if dq is None:
-                    dq = g[0].to(acc)
+                if dq is None:  # the first tile covers all queries only when it is the whole (untiled) block
+                    dq = g[0].to(acc) if len(tiles) == 1 else torch.zeros(q.shape, dtype=acc, device=q.device)
+                    if len(tiles) > 1:
+                        dq[:, :, qs] += g[0]
                 else:
                     dq[:, :, qs] += g[0]
-                if mine is not None:
-                    mk[:, :, ks] += g[1]
-                    mv[:, :, ks] += g[2]
-                    g = None  # before the next tile's call allocates its own
-            if step > 0:  # the earlier holders' fp32 sum for this block, sent by prev while we computed
-                _wait(dkv_reqs)
-                release(dkv_out)
-                dkv = dkv_in
-            else:
-                dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device) if mine is None else mine
-            if mine is None:  # one tile: its grads go straight into the travelling sum
-                dkb, dvb = unpack_kv(dkv, k.shape, v.shape)
-                dkb[:, :, ks] += g[1]
-                dvb[:, :, ks] += g[2]
-            elif dkv is not mine:
-                dkv.add_(mine)
-            g = mine = mk = mv = None  # before the next step's kernel call: two steps' block gradients never coexist
+                tk += g[1]
+                tv += g[2]
+                g = None  # before the next tile's call allocates its own
+            if not arrived:
+                dkv = _arrived(dkv_reqs, dkv_out, dkv_in, pending, k_shape, v_shape)
+            tk = tv = pending = None  # before the next step's kernel call: two steps' block gradients never coexist
             if R > 1:  # after R hops each block's sum reaches its owner
                 dkv_out, dkv_in = dkv, torch.empty_like(dkv)  # dkv_out stays referenced until its send is waited
                 dkv_reqs = ring.exchange(dkv_out, dkv_in, _TAG_DKV)
@@ -225,8 +244,8 @@ class _RingAttention(torch.autograd.Function):
             _wait(dkv_reqs)
             release(dkv_out)
             dkv = dkv_in
-        dk, dv = unpack_kv(dkv, k.shape, v.shape)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dk, dv = unpack_kv(dkv, k_shape, v_shape)
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup], *, causal: bool,
