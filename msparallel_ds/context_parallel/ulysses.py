@@ -115,7 +115,7 @@ def _exchange(sends: Iterable[tuple[Tensor, Tensor]], group, finish: Callable[[T
     """All-to-all each (send, source) pair's send buffer; [finish(received, i)] in order. Each exchange starts as
     soon as its buffer is built (the caller builds them lazily), so a tensor's copy overlaps the previous one's
     transfer; a send buffer we allocated (not the caller's source memory) is freed, and the received one handed
-    to finish, as soon as its exchange is done. before_send() (the api's peer check) runs once the first buffer
+    to finish (and freed, unless finish returned a view of it), as soon as its exchange is done. before_send() (the api's peer check) runs once the first buffer
     is built, before anything is sent."""
     pending = []
     for send, source in sends:
@@ -133,6 +133,8 @@ def _exchange(sends: Iterable[tuple[Tensor, Tensor]], group, finish: Callable[[T
             release(send)
         del send, source
         out.append(finish(recv, i))
+        if out[-1].untyped_storage().data_ptr() != recv.untyped_storage().data_ptr():
+            release(recv)  # copied out of (not a view of it): gloo's thread may hold it a while longer otherwise
         del recv
     return out
 
