@@ -114,9 +114,9 @@ def _exchange(sends: Iterable[tuple[Tensor, Tensor]], group, finish: Callable[[T
               before_send: Optional[Callable[[], None]] = None) -> list[Tensor]:
     """All-to-all each (send, source) pair's send buffer; [finish(received, i)] in order. Each exchange starts as
     soon as its buffer is built (the caller builds them lazily), so a tensor's copy overlaps the previous one's
-    transfer; a send buffer we allocated (not the caller's source memory) is freed, and the received one handed
-    to finish (and freed, unless finish returned a view of it), as soon as its exchange is done. before_send() (the api's peer check) runs once the first buffer
-    is built, before anything is sent."""
+    transfer. As soon as an exchange is done, a send buffer we allocated (not the caller's source memory) is
+    freed, and the received one is handed to finish (and freed, unless finish returned a view of it).
+    before_send() (the api's peer check) runs once the first buffer is built, before anything is sent."""
     pending = []
     for send, source in sends:
         if before_send is not None:
