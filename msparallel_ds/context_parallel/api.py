@@ -245,7 +245,7 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: Parallel
             verdict()
         raise error
     kw = dict(causal=causal, scale=scale, backend=backend)
-    if name in ("ulysses", "hybrid") and doc_ids is None:
+    if name in ("ulysses", "hybrid"):  # (with doc_ids it is ulysses, which waits before its doc-id gather)
         kw["before_send"] = verdict  # waited once the first all-to-all's send buffer is built
     elif verdict is not None:
         verdict()

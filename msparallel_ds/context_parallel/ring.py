@@ -128,16 +128,16 @@ def _cuts(a: int, b: int, piece: int) -> list[tuple[int, int]]:
 
 
 def backward_tiles(qr: tuple[int, int], kr: tuple[int, int], causal: bool,
-                   piece: int) -> list[tuple[slice, slice, bool]]:
-    """One block's backward as (query slice, key slice, causal) tiles of at most `piece` tokens a side, so a call's
-    fresh dq/dk/dv and softmax buffers scale with the tile, not the block. A causal (square, diagonal) block becomes
-    causal squares on its diagonal plus fully visible tiles below it (square only: the backends disagree on how a
-    non-square causal block is aligned); above the diagonal nothing is computed. A block no longer than piece a
-    side stays one call. Key-major: a key piece's dK/dV is complete once its tiles are done."""
+                   piece: int) -> list[tuple[slice, list[tuple[slice, bool]]]]:
+    """One block's backward as tiles of at most `piece` tokens a side, so a call's fresh dq/dk/dv and softmax
+    buffers scale with the tile, not the block: per key piece (key-major: its dK/dV is complete once its tiles are
+    done), its (query slice, causal) tiles. A causal (square, diagonal) block becomes causal squares on its diagonal
+    plus fully visible tiles below it (square only: the backends disagree on how a non-square causal block is
+    aligned); above the diagonal nothing is computed. A block no longer than piece a side stays one call."""
     qc, kc = _cuts(*qr, piece), _cuts(*kr, piece)
     if causal:  # qr == kr: key piece j is seen fully by query pieces i > j and causally by i == j
-        return [(slice(*a), slice(*b), a == b) for j, b in enumerate(kc) for a in qc[j:]]
-    return [(slice(*a), slice(*b), False) for b in kc for a in qc]
+        return [(slice(*b), [(slice(*a), a == b) for a in qc[j:]]) for j, b in enumerate(kc)]
+    return [(slice(*b), [(slice(*a), False) for a in qc]) for b in kc]
 
 
 def _arrived(reqs: list, sent: Tensor, recv: Tensor, pending: list, k_shape, v_shape) -> Tensor:
@@ -211,29 +211,28 @@ class _RingAttention(torch.autograd.Function):
             # here by now). Its transfer overlaps at least this step's first key piece, whose dK/dV waits in a
             # piece-sized buffer; from the second piece on it is waited for (gloo's P2P work only reports completion
             # once waited; NCCL's does before) and every piece adds straight into it.
-            arrived, pending, column = step == 0, [], -1
-            tiles = backward_tiles(*_block(src, r, s, causal), piece)
-            for i, (qs, ks, tile_causal) in enumerate(tiles):
-                if i == 0 or ks != tiles[i - 1][1]:  # a new key piece
-                    column += 1
-                    if not arrived and (column > 0 or dkv_reqs[-1].is_completed()):
-                        dkv, arrived = _arrived(dkv_reqs, dkv_out, dkv_in, pending, k_shape, v_shape), True
-                    if arrived:
-                        tk, tv = (t[:, :, ks] for t in unpack_kv(dkv, k_shape, v_shape))
-                    else:
-                        tk, tv = (torch.zeros_like(t[:, :, ks], dtype=acc) for t in (kb, vb))
-                        pending.append((ks, tk, tv))
-                g = block_backward(dout[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks], out[:, :, qs],
-                                   lse[:, :, qs], causal=tile_causal, scale=scale, backend=backend)
-                if dq is None:  # the first tile covers all queries only when it is the whole (untiled) block
-                    dq = g[0].to(acc) if len(tiles) == 1 else torch.zeros(q.shape, dtype=acc, device=q.device)
-                    if len(tiles) > 1:
-                        dq[:, :, qs] += g[0]
+            arrived, pending = step == 0, []
+            columns = backward_tiles(*_block(src, r, s, causal), piece)
+            if dq is None and (len(columns) > 1 or len(columns[0][1]) > 1):  # tiled step 0: an fp32 accumulator
+                dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+            for column, (ks, rows) in enumerate(columns):
+                if not arrived and (column > 0 or dkv_reqs[-1].is_completed()):
+                    dkv, arrived = _arrived(dkv_reqs, dkv_out, dkv_in, pending, k_shape, v_shape), True
+                if arrived:
+                    tk, tv = (t[:, :, ks] for t in unpack_kv(dkv, k_shape, v_shape))
                 else:
-                    dq[:, :, qs] += g[0]
-                tk += g[1]
-                tv += g[2]
-                g = None  # before the next tile's call allocates its own
+                    tk, tv = (torch.zeros_like(t[:, :, ks], dtype=acc) for t in (kb, vb))
+                    pending.append((ks, tk, tv))
+                for qs, tile_causal in rows:
+                    g = block_backward(dout[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks], out[:, :, qs],
+                                       lse[:, :, qs], causal=tile_causal, scale=scale, backend=backend)
+                    if dq is None:  # untiled step 0: the whole block's dq becomes the accumulator
+                        dq = g[0].to(acc)
+                    else:
+                        dq[:, :, qs] += g[0]
+                    tk += g[1]
+                    tv += g[2]
+                    g = None  # before the next tile's call allocates its own
             if not arrived:
                 dkv = _arrived(dkv_reqs, dkv_out, dkv_in, pending, k_shape, v_shape)
             tk = tv = pending = None  # before the next step's kernel call: two steps' block gradients never coexist
