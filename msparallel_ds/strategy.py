@@ -160,6 +160,10 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
 
         check_model(settings, part.config, ep)  # the YAML's MoE keys vs the HF model
     ep_plan, aux_loss = apply_ep(part, layout, adapter, options.capacity, options.aux_loss)
+    if layout.size("pp") == 1:
+        from .tensor_parallel.replicated import install as sum_replicated_grads
+
+        sum_replicated_grads(part)  # the tp-replicated weights' grad sums: async, one wait per backward
     expert_bias = None
     if options.expert_bias_rate is not None:
         from .moe.expert_bias import install_expert_bias

@@ -156,10 +156,10 @@ def wait_clock() -> float:
 
 
 def async_finished(t0: Optional[float], blocked_from: float, nbytes: float, name: str, phase: str,
-                   copy: Optional[int]) -> None:
-    """After the wait of an async collective started at t0 (issue_clock): floor it, count it, log a wait event."""
+                   copy: Optional[int], event: str = "wait") -> None:
+    """After the wait of an async collective started at t0 (issue_clock): floor it, count it, log `event`."""
     if t0 is not None and _state.link is not None:
         _floor(t0, nbytes)
     if _state.stats is not None:
         _count(nbytes, blocked_from)
-    record("wait", name, phase, copy)
+    record(event, name, phase, copy)

@@ -24,7 +24,8 @@ What overlaps, honestly:
 - dp: DeepSpeed's gradient reduction after backward is unchanged (it sees one backward of the whole micro-batch).
 - Not interleaved: embedding, final norm, output head and loss run once on the whole micro-batch (the vocab-parallel
   embedding's all-reduce and the head's gather are blocking); recomputed layers, the weight-grad all-reduces of
-  replicated kv / SP norm / SP bias parameters (small, blocking, after all copies contributed).
+  replicated kv / SP bias parameters (small, blocking, after all copies contributed). The SP norms' weight grads
+  are summed async, one wait per backward (tensor_parallel/replicated.py).
 
 Semantics: the copies are rows of one micro-batch and the engine's loss is the token sum over all of them divided
 by the global token count, so the step's gradient equals the non-interleaved step's (a speed feature). MindSpore's

@@ -64,9 +64,9 @@ def apply_ep(part: nn.Module, layout: ParallelLayout, adapter: Optional[DecoderA
                 # distinct on every tp rank when ep folds tp: DeepSpeed's norm then counts them on each tp rank
                 p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
         elif tp > 1:
-            from ..tensor_parallel.apply import grad_allreduce
+            from ..tensor_parallel.replicated import mark
 
-            grad_allreduce(experts, layout.group("tp"))
+            mark(experts, layout.group("tp"))
     aux_loss = None
     if aux and (aux.get("coeff") or aux.get("z_coeff")):
         config = part.config

@@ -44,18 +44,18 @@ from typing import TYPE_CHECKING
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..distributed.collectives import all_reduce
 from ..labels import IGNORE_INDEX
 from ..models import DecoderAdapter, adapter_for
 from .layers import ColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear
 from .mappings import copy_to_region, gather_from_region, gather_from_sequence_region, scatter_to_region
+from .replicated import mark
 from .spec import compile_pattern, style_of
 from .vocab import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 if TYPE_CHECKING:
     from ..distributed.layout import ParallelLayout
 
-__all__ = ["STYLES", "apply_tp", "grad_allreduce", "tp_parallelize", "tp_plan", "vocab_parallel_causal_lm_loss"]
+__all__ = ["STYLES", "apply_tp", "tp_parallelize", "tp_plan", "vocab_parallel_causal_lm_loss"]
 
 STYLES = ("colwise", "rowwise", "colwise_gathered", "colwise_kv_replicated", "replicated_with_grad_allreduce",
           "vocab_embedding", "vocab_lm_head", "sequence_parallel", "sequence_scatter_input", "sequence_gather_input",
@@ -71,14 +71,6 @@ def tp_plan(model: nn.Module, layout: ParallelLayout, *, sequence_parallel: bool
 
 
 # ---------------------------------------------------------------------------------------------- apply
-def grad_allreduce(module: nn.Module, group) -> None:
-    """Sum the grads of `module`'s own parameters over `group` (replicated weights that saw different inputs)."""
-    for p in module.parameters(recurse=False):
-        if p.requires_grad and not getattr(p, "tp_grad_allreduce", False):
-            p.tp_grad_allreduce = True
-            p.register_hook(lambda g, group=group: all_reduce(g, group))
-
-
 def _map_hidden_input(module: nn.Module, fn) -> None:
     """Apply fn to the module's hidden_states input (first positional argument or keyword), as a pre-hook: it
     runs inside an enclosing layer's recompute, and leaves parameter names alone."""
@@ -128,7 +120,7 @@ def apply_tp(part: nn.Module, layout: ParallelLayout, adapter: DecoderAdapter, p
             continue
         matched.add(style)
         if style in ("replicated_with_grad_allreduce", "sequence_parallel"):
-            grad_allreduce(module, group)
+            mark(module, group)  # grads summed over tp (replicated.py)
         elif style == "sequence_scatter_input":
             _map_hidden_input(module, lambda x: scatter_to_region(x, group, SEQ_DIM))
         elif style == "sequence_gather_input":
