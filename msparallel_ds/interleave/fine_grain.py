@@ -60,12 +60,9 @@ def decomposable(layer: nn.Module, parts: Optional[LayerParts]) -> bool:
 
 def _col_weights(module: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
     """(weight, bias) of a column-side linear: this rank's shard, or for ReplicatedKVLinear the kv head's rows of
-    the replicated weight (through f, whose backward sums the replicas' grads, as its own forward does)."""
+    the replicated weight (whose grad is summed over tp once per backward, tensor_parallel/replicated.py)."""
     if isinstance(module, ReplicatedKVLinear):
-        start, n = module.kv_head * module.head_dim, module.head_dim
-        w = copy_to_region(module.weight, module.group).narrow(0, start, n)
-        b = None if module.bias is None else copy_to_region(module.bias, module.group).narrow(0, start, n)
-        return w, b
+        return module.local_weights()
     return module.weight, module.bias
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .replicated import mark
 from .spec import STYLE_PARAM_SHARDS, Shard
 from .mappings import (copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
                        reduce_scatter_to_sequence_region, scatter_to_region)
@@ -155,8 +156,9 @@ class RowParallelLinear(_ParallelLinear):
 class ReplicatedKVLinear(nn.Module):
     """A key or value projection when tp > kv heads (tp % kv == 0): tp rank r computes kv head r // (tp/kv), the one
     its query heads use. The full weight (and bias) is kept on every rank under nn.Linear's names; forward narrows it
-    through copy_to_region, so backward sums the replicas' partial grads over tp: every rank ends with the full
-    grad."""
+    to the head's rows, and its grad (those rows only) is summed over tp like the other tp-replicated weights
+    (replicated.mark: async with one wait per backward, once per backward whatever the number of uses), so every
+    rank ends with the full grad."""
 
     def __init__(self, linear: nn.Linear, group, n_kv_heads: int, *, input_is_gathered: bool = False):
         super().__init__()
@@ -168,14 +170,17 @@ class ReplicatedKVLinear(nn.Module):
         self.weight = nn.Parameter(linear.weight.detach().clone(), requires_grad=linear.weight.requires_grad)
         self.bias = (None if linear.bias is None else
                      nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad))
+        mark(self, group)
+
+    def local_weights(self) -> tuple[Tensor, Tensor | None]:
+        """(weight, bias) rows of this rank's kv head."""
+        start, n = self.kv_head * self.head_dim, self.head_dim
+        return self.weight.narrow(0, start, n), None if self.bias is None else self.bias.narrow(0, start, n)
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_gathered:
             x = copy_to_region(x, self.group)  # column-style input: its grad is partial per rank
-        start = self.kv_head * self.head_dim
-        w = copy_to_region(self.weight, self.group).narrow(0, start, self.head_dim)
-        b = None if self.bias is None else copy_to_region(self.bias, self.group).narrow(0, start, self.head_dim)
-        return F.linear(x, w, b)
+        return F.linear(x, *self.local_weights())
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp}, "
