@@ -18,6 +18,13 @@ def _norm_grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if "norm" in n}
 
 
+def _tied(model):
+    """Layer 1's attention norm shares layer 0's weight (one Parameter in two modules)."""
+    layers = model.model.layers
+    layers[1].input_layernorm.weight = layers[0].input_layernorm.weight
+    return model
+
+
 def _cases(rank, world_size):
     import torch
 
@@ -26,9 +33,11 @@ def _cases(rank, world_size):
     from msparallel_ds.tensor_parallel.apply import tp_parallelize
 
     ids, _ = global_batch(0, 2)
-    ref = tiny_model()
-    ref(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    expected = _norm_grads(ref)
+    expected = {}
+    for tied in (False, True):
+        ref = _tied(tiny_model()) if tied else tiny_model()
+        ref(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        expected[tied] = _norm_grads(ref)
 
     layout = msp.init_parallel(msp.load_config(tiny_config(tp=2, sp=True, bs=2)))
     builds = {
@@ -36,6 +45,7 @@ def _cases(rank, world_size):
         "hooks_only": lambda: tp_parallelize(tiny_model(), layout, sequence_parallel=True),  # no install()
         "reentrant_checkpoint": lambda: msp.parallelize(tiny_model(), layout),
         "non_reentrant_checkpoint": lambda: msp.parallelize(tiny_model(), layout),
+        "tied_norms": lambda: msp.parallelize(_tied(tiny_model()), layout),
     }
     out = {}
     for name, build in builds.items():
@@ -48,9 +58,10 @@ def _cases(rank, world_size):
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         grads = _norm_grads(model)
         events = [(e, n) for e, _, p, n in log if p == "bwd"]
+        want = expected[name == "tied_norms"]
         out[name] = {
-            "err": max((grads[k] - expected[k]).abs().max().item() for k in expected),
-            "n_norms": len(expected),
+            "err": max((grads[k] - want[k]).abs().max().item() for k in want),
+            "n_norms": len(want),
             "async": sum(e == "grad_issue" for e, _ in events), "waited": sum(e == "grad_wait" for e, _ in events),
             "blocking_all_reduce": sum(ev == ("sync", "all_reduce") for ev in events),
             "params_are_leaves": all(isinstance(p, torch.nn.Parameter) and p.is_leaf for p in model.parameters()),
@@ -93,6 +104,13 @@ def test_checkpointed_layers_sum_every_grad_once(results, name):
         assert r["err"] < TOL, r
         assert r["async"] + r["blocking_all_reduce"] == 9, r  # reentrant: the recomputed layers' norms by the hook
         assert r["params_are_leaves"], r
+
+
+def test_a_weight_shared_by_two_modules_is_summed_once(results):
+    for res in results:
+        r = res["tied_norms"]
+        assert r["err"] < TOL, r
+        assert r["async"] == r["n_norms"] == 8 and r["blocking_all_reduce"] == 0, r
 
 
 def test_weights_restored_after_a_forward_that_raised(results):

@@ -124,11 +124,13 @@ def install(part: nn.Module) -> bool:
     def pre(module, args, kwargs):
         if swapped or not torch.is_grad_enabled():  # a nested call, or no graph to record
             return
-        weights = [m._parameters[n] for m, n in slots]
+        weights = list({id(p): p for p in (m._parameters[n] for m, n in slots)}.values())  # a shared one once
         flight = _InFlight([getattr(w, _GROUP) for w in weights])
-        for i, ((m, n), w, u) in enumerate(zip(slots, weights, _Sums.apply(flight, *weights))):
-            swapped.append((m, n, w))
-            m._parameters[n] = _Start.apply(u, flight, i)
+        views = {id(w): _Start.apply(u, flight, i)
+                 for i, (w, u) in enumerate(zip(weights, _Sums.apply(flight, *weights)))}
+        for m, n in slots:
+            swapped.append((m, n, m._parameters[n]))
+            m._parameters[n] = views[id(m._parameters[n])]
 
     def post(module, args, kwargs, output):
         while swapped:
