@@ -47,7 +47,8 @@ def record(event: str, name: str, phase: Optional[str] = None, copy: Optional[in
 @contextlib.contextmanager
 def recording():
     """Log collectives and compute marks: yields the list of (event, copy, phase, name) tuples, event in
-    issue | wait | compute | sync (a blocking collective), phase fwd | bwd."""
+    issue | wait | compute | sync (a blocking collective) | grad_issue | grad_wait (a tp-replicated weight's
+    gradient sum, tensor_parallel/replicated.py), phase fwd | bwd."""
     prev, _state.log = _state.log, []
     try:
         yield _state.log
@@ -145,9 +146,9 @@ def issue_clock() -> Optional[float]:
     return time.perf_counter() if _state.link is not None else None
 
 
-def async_started(name: str, phase: str, copy: Optional[int]) -> None:
-    """An async collective is in flight: log its issue event."""
-    record("issue", name, phase, copy)
+def async_started(name: str, phase: str, copy: Optional[int], event: str = "issue") -> None:
+    """An async collective is in flight: log `event`."""
+    record(event, name, phase, copy)
 
 
 def wait_clock() -> float:

@@ -68,7 +68,7 @@ class _InFlight:
         t0 = instruments.issue_clock()
         out = grad.clone(memory_format=torch.contiguous_format)
         self.pending[i] = (dist.all_reduce(out, group=group, async_op=True), out, t0)
-        instruments.record("grad_issue", "replicated_grad", "bwd")
+        instruments.async_started("replicated_grad", "bwd", None, event="grad_issue")
         return out
 
     def finish(self, i: int) -> Optional[Tensor]:
@@ -111,13 +111,13 @@ class _Start(torch.autograd.Function):
         return ctx.flight.start(ctx.i, grad), None, None
 
 
-def install(part: nn.Module) -> bool:
-    """Route the marked weights of `part` (a whole model) through one _Sums per forward that records grads; returns
-    whether there were any."""
+def install(part: nn.Module) -> None:
+    """Route the marked weights of `part` (a whole model) through one _Sums per forward that records grads (nothing
+    when it has none)."""
     slots = [(m, n) for m in part.modules() for n, p in m._parameters.items()
              if p is not None and getattr(p, _GROUP, None) is not None]
     if not slots or getattr(part, "_msp_replicated_grads", False):
-        return bool(slots)
+        return
     part._msp_replicated_grads = True
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
 
@@ -139,4 +139,3 @@ def install(part: nn.Module) -> bool:
 
     part.register_forward_pre_hook(pre, with_kwargs=True)
     part.register_forward_hook(post, with_kwargs=True, always_call=True)
-    return True
