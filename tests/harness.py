@@ -43,16 +43,26 @@ def _worker(fn, rank, world_size, port, timeout, args, kwargs, out):
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # N processes share few cores; oversubscription makes gloo crawl
+    done = False
     try:
         # The group timeout makes a rank stuck in a collective raise instead of waiting forever.
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
         # Pickle here, so an unpicklable result is reported as this rank's error, not lost.
         out.put((rank, True, pickle.dumps(fn(rank, world_size, *args, **kwargs))))
+        done = True
     except BaseException:
         out.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            if done:
+                # Stay alive until every rank is done: a rank whose fn ends with new_group can be
+                # through its side of gloo's connectFullMesh while a peer is still in it, and
+                # exiting then fails the peer ("Connection closed by peer"; seen once in CI).
+                try:
+                    dist.barrier()
+                except Exception:  # a peer failed: its own error is what gets reported
+                    pass
             dist.destroy_process_group()
 
 
