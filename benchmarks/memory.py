@@ -62,7 +62,7 @@ class PeakTracker:
 
         self.breakdown = breakdown
         # python stacks: a free made on gloo's worker thread is not reported, so such an allocation is taken as
-        # freed when the python call that made it returns (all_reduce_flat's flat copy of the gradients)
+        # freed when the python call that made it returns (all_reduce_flat's flat copy of a gradient bucket)
         self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True)
 
     def __enter__(self):

@@ -13,8 +13,9 @@ Assumptions (stated so the numbers can be checked):
 - Buffers: DeepSpeed ZeRO 1-2 (pp 1) allocate reduce_bucket_size gradient elements per bucket, two with overlap_comm
   (setup_buckets; a fixed size, not a share of the model). The pipeline engine's stages keep one receive buffer per
   micro-batch for the stage input (not on the first stage) and one for its gradient (not on the last), s*b*h each
-  (/t with sequence parallel); its gradient all-reduce flattens a copy of the dense gradients (dp x cp > 1), then of
-  the experts' (edp > 1), after the activations are gone: the total takes the larger of the two moments.
+  (/t with sequence parallel); its gradient all-reduce flattens copies of the dense gradients (dp x cp > 1), then of
+  the experts' (edp > 1), one bucket of at most reduce_bucket_size elements at a time, after the activations are
+  gone: the total takes the larger of the two moments.
 - Activations per layer and micro-batch, from what a HF Llama-family layer (RMSNorm, RoPE, SwiGLU, no dropout)
   saves for backward, with s = seq/cp, b = batch_size x micro_batch_interleave_num, h = hidden, f = ffn,
   kv = kv heads x head dim, a = heads, t = tp, n = compute-dtype bytes, per token:
@@ -147,8 +148,9 @@ def estimate_memory(plan: "Plan", stage: Optional[int] = None) -> Optional[Memor
     else:  # receive buffers: input (not stage 0) and gradient (not the last stage); stage None: a middle one
         ends = 2 if stage is None else (stage > 0) + (stage < last)
         buffers = min(ends, p - 1 if stage is None else 2) * plan.micro_batch_num * s * b * h * n / sp
-        # all_reduce_flat: one flat copy of the dense gradients (over dp x cp), then of the experts' (over edp)
-        sync = wbytes * max(params if shard > 1 else 0, experts if edp > 1 else 0)
+        # all_reduce_flat: a flat copy of one bucket of the dense gradients (over dp x cp), then of the experts'
+        bucket = plan.zero.reduce_bucket_size
+        sync = wbytes * max(min(params, bucket) if shard > 1 else 0, min(experts, bucket) if edp > 1 else 0)
     total = weights + grads + optim + max(act + logits + buffers, sync)
     return MemoryEstimate(params_per_rank=int(params + experts), weights_gib=weights / GIB, grads_gib=grads / GIB,
                           optimizer_gib=optim / GIB, activations_gib=act / GIB,

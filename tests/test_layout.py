@@ -91,7 +91,7 @@ def _check_layout(rank, world_size, shape):
 
 
 @pytest.mark.distributed
-def test_all_4_rank_meshes_match_the_rank_formula():
+def test_all_4_rank_meshes_match_the_rank_formula_and_sum_flat_in_buckets():
     # All 15 shapes in one set of processes: a spawn costs seconds, a layout milliseconds.
     run_distributed(_check_all, WORLD, timeout=120)
 
@@ -99,6 +99,32 @@ def test_all_4_rank_meshes_match_the_rank_formula():
 def _check_all(rank, world_size):
     for shape in SHAPES:
         _check_layout(rank, world_size, shape)
+    _check_flat_sums(rank)
+
+
+def _check_flat_sums(rank):
+    """all_reduce_flat over dp of a dp2 x tp2 layout: exact sums, and each all-reduce's size shows the buckets."""
+    from unittest import mock
+
+    from msparallel_ds.distributed import init_parallel
+    from msparallel_ds.distributed.collectives import all_reduce_flat
+
+    lay = init_parallel(_plan((1, 2, 1, 1, 2)))
+
+    def grads(r):  # a, b (not contiguous), c (big), d, e
+        return [torch.arange(15.).view(3, 5) * (r + 1), (torch.arange(24.).view(4, 6) + r).t(),
+                torch.full((50,), float(r)), torch.tensor([r, -r], dtype=torch.float32), torch.arange(7.) - r]
+
+    expected = [sum(ts) for ts in zip(*(grads(r) for r in lay.ranks("dp")))]
+    real = dist.all_reduce
+    for bucket, sizes in [(None, [98]), (10, [15, 24, 50, 9]), (1, [15, 24, 50, 2, 7])]:
+        seen = []
+        tensors = grads(rank)
+        with mock.patch.object(dist, "all_reduce", lambda t, **kw: (seen.append(t.numel()), real(t, **kw))[1]):
+            all_reduce_flat(tensors, lay, "dp", bucket)
+        assert seen == sizes, (bucket, seen)  # a contiguous tensor >= bucket goes alone, in place
+        for got, want in zip(tensors, expected):
+            assert torch.equal(got, want), bucket
 
 
 def test_shapes_cover_every_dim_at_2_and_4():

@@ -211,13 +211,37 @@ def start_sum_over(layout: ParallelLayout, name: str, t: Tensor) -> Callable[[],
     return wait
 
 
-def all_reduce_flat(tensors: Sequence[Tensor], layout: ParallelLayout, name: str) -> None:
-    """Sum every tensor in place over layout dim `name` with ONE all-reduce of their concatenation (one latency
-    for many small gradients)."""
-    if layout.size(name) <= 1:
+def all_reduce_flat(tensors: Sequence[Tensor], layout: ParallelLayout, name: str,
+                    bucket_numel: Optional[int] = None) -> None:
+    """Sum every tensor in place over layout dim `name`, packing consecutive small tensors into one all-reduce of
+    their concatenation (one latency for many small gradients). `bucket_numel` bounds each concatenation, and so the
+    copy's memory (MindFormers' gradient fusion groups, DeepSpeed's reduce_bucket_size): a tensor at least that
+    big is summed on its own, in place, with no copy. None: one concatenation of everything."""
+    if layout.size(name) <= 1 or not tensors:
+        return
+    group = layout.group(name)
+    cap = bucket_numel or sum(t.numel() for t in tensors)
+    bucket: list[Tensor] = []
+    filled = 0
+    for t in tensors:
+        if bucket and filled + t.numel() > cap:
+            _sum_bucket(bucket, group)
+            bucket, filled = [], 0
+        if t.numel() >= cap and t.is_contiguous():
+            dist.all_reduce(t, group=group)
+        else:
+            bucket.append(t)
+            filled += t.numel()
+    if bucket:
+        _sum_bucket(bucket, group)
+
+
+def _sum_bucket(tensors: list[Tensor], group) -> None:
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        dist.all_reduce(tensors[0], group=group)
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=layout.group(name))
+    dist.all_reduce(flat, group=group)
     offset = 0
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))

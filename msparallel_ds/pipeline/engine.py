@@ -184,9 +184,13 @@ class PipelineEngine:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         experts = [p.grad for p in params if getattr(p, "expert_parallel", False)]
-        all_reduce_flat([p.grad for p in params if not getattr(p, "expert_parallel", False)], self.layout, "dp_cp")
+        # Buckets of the plan's reduce_bucket_size (the parameters / gradient_aggregation_group), so the flat
+        # copy is one bucket, not all the gradients
+        bucket = self.plan.zero.reduce_bucket_size
+        all_reduce_flat([p.grad for p in params if not getattr(p, "expert_parallel", False)], self.layout, "dp_cp",
+                        bucket)
         if experts:  # each expert lives on the edp ranks only (moe.apply)
-            all_reduce_flat(experts, self.layout, "edp")
+            all_reduce_flat(experts, self.layout, "edp", bucket)
         clip = self.plan.gradient_clipping
         if clip:
             return clip_grad_norm_(params, clip, self.layout, device=self.device)
