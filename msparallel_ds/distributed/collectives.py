@@ -227,17 +227,13 @@ def all_reduce_flat(tensors: Sequence[Tensor], layout: ParallelLayout, name: str
         if bucket and filled + t.numel() > cap:
             _sum_bucket(bucket, group)
             bucket, filled = [], 0
-        if t.numel() >= cap and t.is_contiguous():
-            dist.all_reduce(t, group=group)
-        else:
-            bucket.append(t)
-            filled += t.numel()
-    if bucket:
-        _sum_bucket(bucket, group)
+        bucket.append(t)
+        filled += t.numel()
+    _sum_bucket(bucket, group)
 
 
 def _sum_bucket(tensors: list[Tensor], group) -> None:
-    if len(tensors) == 1 and tensors[0].is_contiguous():
+    if len(tensors) == 1 and tensors[0].is_contiguous():  # alone in its bucket (at least cap big): in place
         dist.all_reduce(tensors[0], group=group)
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
