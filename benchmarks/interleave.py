@@ -24,6 +24,7 @@ load on a shared machine moves whole rounds, which the per-round ratios cancel).
 
     python benchmarks/interleave.py                        # 2 CPU processes, writes results/interleave_cpu.json
     python benchmarks/interleave.py --alpha 50e-6 --bandwidth 2e8
+    python benchmarks/interleave.py --variants fine_grain=2   # the baseline and one variant (A/B runs)
 """
 from __future__ import annotations
 
@@ -78,8 +79,9 @@ def _worker(rank, a, port, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=a.world)
     layout = msp.init_parallel(msp.load_config(_config(a)))
+    variants = _chosen(a)
     models = {}
-    for name, copies, chunks in VARIANTS:
+    for name, copies, chunks in variants:
         model = msp.parallelize(_model(a), layout)
         if copies:
             install(model, copies, chunks)
@@ -97,9 +99,9 @@ def _worker(rank, a, port, out):
 
     def timed(link):
         """Per round, the median step time of each variant: {variant: [round medians]}."""
-        times = {name: [] for name, _, _ in VARIANTS}
+        times = {name: [] for name, _, _ in variants}
         for r in range(a.repeats):
-            order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+            order = variants[r % len(variants):] + variants[:r % len(variants)]
             for name, _, _ in order:
                 with (modelled_link(*link) if link else _null()):
                     step(models[name])
@@ -133,6 +135,10 @@ def _worker(rank, a, port, out):
     dist.destroy_process_group()
 
 
+def _chosen(a):
+    return [v for v in VARIANTS if v[0] == "baseline" or a.variants is None or v[0] in a.variants]
+
+
 class _null:
     def __enter__(self):
         return self
@@ -157,6 +163,8 @@ def main(argv=None):
                    help="modelled link bytes/s; default: calibrated so modelled comm = the baseline's compute")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--variants", nargs="+", choices=[v[0] for v in VARIANTS[1:]], default=None,
+                   help="run only these variants (and the baseline); default: all")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "interleave_cpu.json"))
     a = p.parse_args(argv)
 
@@ -177,7 +185,7 @@ def main(argv=None):
     rows = []
     for link, times in res["step_s"].items():  # per-round ratios against the same round's baseline, then medians
         base = times["baseline"]
-        for name, _, _ in VARIANTS:
+        for name, _, _ in _chosen(a):
             t = times[name]
             rows.append({"link": link, "variant": name, "step_s": statistics.median(t),
                          "speedup": statistics.median(b / x for b, x in zip(base, t)),

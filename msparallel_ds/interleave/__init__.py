@@ -2,8 +2,8 @@
 parallel collectives with compute, for HF decoders parallelized by msp.parallelize: the async issue/wait
 collectives (overlap), the round-robin scheduler (schedule), one layer as steps (fine_grain) and the copies
 (multi_copy)."""
-from .fine_grain import layer_steps
+from .fine_grain import decoder_steps
 from .multi_copy import COPY_LOSS_MODES, install, installed, run_layers
 from .schedule import round_robin, run
 
-__all__ = ["COPY_LOSS_MODES", "install", "installed", "layer_steps", "round_robin", "run", "run_layers"]
+__all__ = ["COPY_LOSS_MODES", "install", "installed", "decoder_steps", "round_robin", "run", "run_layers"]

@@ -3,19 +3,30 @@
 MindFormers' fine_grain_interleave (llama_interleave.py) splits a layer's tokens into N parts: per part norm + QKV,
 concat, attention on the whole, per part out-proj + residual + norm + FFN + residual. The parts' sequence-parallel
 collectives overlap the other parts' matmuls, and the split chains across layers (layer 0 skips the first split,
-the last layer the second): between layers the hidden state stays in parts. `layer_steps` is that layer, written
-once for any number of chunks; with one chunk it is the multi-copy layer (interleave/multi_copy.py runs one
-instance per copy), so both features share this schedule.
+the last layer the second): between layers the hidden state stays in parts. `decoder_steps` runs those layers,
+written once for any number of chunks; with one chunk it is the multi-copy layer (interleave/multi_copy.py runs
+one instance per copy), so both features share this schedule.
 
-Per chunk, a step runs until it has started a collective (overlap.issue) and then yields; the scheduler
-(schedule.round_robin) runs the next chunk (or copy), and the chunk waits for its result only when it resumes:
+Each chunk is one generator through all the consecutive decomposable layers. A step runs until it has started a
+collective (overlap.issue) and then yields; the scheduler (schedule.round_robin) runs the next chunk (or copy), and
+the chunk waits for its result only when it resumes:
 
     A  wait(prev layer's FFN reduce) + residual, norm, issue gather -> yield -> wait + q/k/v GEMMs (wait_linears)
-       concat q/k/v of all chunks, attention on the whole (its own cp ring/all-gather inside), split -> yield
-    B  out-proj, issue reduce -> yield -> wait + residual, norm, issue gather -> yield -> wait + gate/up GEMMs
-       -> yield -> act, down-proj, issue reduce; the result is waited at the next layer's A (or by run_layers)
+       -> yield; the attention's barrier: wait (yielding) until every chunk's q/k/v is in
+    B  attention -> out-proj, issue reduce -> yield -> wait + residual, norm, issue gather -> yield -> wait +
+       gate/up GEMMs -> yield -> act, down-proj, issue reduce -> yield; the result is waited at the next A
 The yields without a collective split each GEMM block in two, so every collective of another copy has a GEMM
 step (not only a norm) between its issue and its wait.
+
+The attention: a query of any chunk needs keys of every chunk (with SP, gathered chunk j holds every tp rank's
+j-th slice), hence the barrier. With causal sdpa/eager attention and N > 1 each chunk then runs only its own
+query rows, each block of rows against the keys up to it (LayerParts.attend(rows)): the same math and, for causal
+attention, about the work of one whole call. Odd chunks run their attention and out-proj as two steps, so the
+chunks run a step apart: the step inside each chunk's reduce-scatter / gather window is another chunk's GEMM
+or attention, not its own short norm step (in lockstep two of every four collectives had only a norm to hide
+behind). Across the barrier the even chunk goes first; the lagging chunk's last gather before the barrier is
+the one collective per layer with nothing to hide behind. With cp backends (whole sequences only) the first
+chunk through runs the whole attention and every chunk takes its part.
 
 Collectives: with sequence parallel the gather is an all-gather and the reduce a reduce-scatter along the sequence
 (backward: the transposes); without it the gather is Megatron's f (identity, all-reduce of the input grad) and the
@@ -42,7 +53,7 @@ from ..tensor_parallel.mappings import copy_to_region
 from .overlap import AsyncCollective, issue, mark_compute, wait, wait_linears
 from .schedule import round_robin
 
-__all__ = ["layer_steps", "decomposable", "split_chunks", "join_chunks", "Pending", "SEQ_DIM"]
+__all__ = ["decoder_steps", "decomposable", "split_chunks", "join_chunks", "Pending", "SEQ_DIM"]
 
 SEQ_DIM = 1  # HF hidden states are [batch, seq, hidden]
 
@@ -135,58 +146,115 @@ def _to_chunk_order(x: Tensor, n: int, tp: int) -> list[Tensor]:
     return [y[:, j].reshape(b, -1, f) for j in range(n)]
 
 
-# ---------------------------------------------------------------------------------------------- the layer
-def layer_steps(layer: nn.Module, parts: Optional[LayerParts], hs: list, kw: dict[str, Any], *, index: int = 0,
-                copy: Any = 0, lag: int = 0):
-    """Generator: run `layer` (its adapter's `parts`) on the chunks `hs` (tensors or Pending) of one copy; yields
-    after every collective it starts and in the middle of the attention and FFN blocks; returns the chunks'
-    outputs (Pending: the last reduce may still be in flight). `kw`: the HF layer kwargs for this copy
-    (position_embeddings, attention_mask, position_ids, ...). lag: extra yields before the first gather is
-    issued, so this copy runs that many steps behind the copies before it (see multi_copy.copy_steps)."""
-    if not decomposable(layer, parts):
-        out = layer(join_chunks([resolve(h) for h in hs]), **kw)  # its own pre-hooks and blocking collectives
-        return split_chunks(mark_compute(out, f"L{index}.whole"), len(hs))
-        yield  # unreachable; makes this function a generator
-    kinds = _Kinds(parts.attn_out)
-    n = len(hs)
-    ids = [copy if n == 1 else (copy, j) for j in range(n)]
-    qkv_w = [_col_weights(m) for m in parts.qkv]
-    gate_up_w = [_col_weights(m) for m in parts.ffn_in]
-    residual: list = [None] * n
+# ---------------------------------------------------------------------------------------------- attention
+def _chunk_rows(j: int, n: int, tp: int, seq: int) -> list[tuple[int, int]]:
+    """The query rows, in sequence order, of gathered chunk j: every tp rank's j-th 1/n of its sequence slice."""
+    size = seq // (n * tp)
+    return [((r * n + j) * size, (r * n + j + 1) * size) for r in range(tp)]
 
-    def part_a(j):  # residual, norm, QKV of chunk j
-        h = resolve(hs[j])
-        residual[j] = h
-        x = mark_compute(parts.input_norm(h), f"L{index}.norm1")
+
+class _Attention:
+    """One layer's attention for the chunks of one copy. It is their barrier: a chunk's queries need keys of every
+    chunk (with SP, gathered chunk j holds every tp rank's j-th slice, so even causal attention reaches into the
+    later chunks). Once every chunk's q/k/v is in, each chunk runs its own query rows against the keys they see
+    (row blocks: causal attention, no cp), so chunks keep running one after the other across the barrier; else
+    the first chunk through runs the whole sequence's attention (cp backends) and every chunk takes its part."""
+
+    def __init__(self, parts: LayerParts, kinds: _Kinds, n: int, kw: dict, index: int):
+        self.parts, self.n, self.kw, self.index = parts, n, kw, index
+        self.order_tp = kinds.tp if kinds.sp else 1
+        self.by_rows = n > 1 and parts.row_blocks()
+        self.qkv: list = [None] * n
+        self.heads = self.outs = None
+
+    def arrive(self, j: int, qkv) -> None:
+        self.qkv[j] = qkv
+
+    def ready(self) -> bool:
+        return all(x is not None for x in self.qkv)
+
+    def output(self, j: int) -> tuple[Tensor, bool]:
+        """(chunk j's attention output [b, tp*s_c, h*d] in chunk order, whether this call ran the whole attention)."""
+        if self.heads is None:
+            self.heads = self.parts.heads(*(_to_sequence_order([c[i] for c in self.qkv], self.order_tp)
+                                            for i in range(3)), self.kw)
+            self.qkv = [()] * self.n  # references dropped; arrive-state kept
+        q, k, v = self.heads
+        if self.by_rows:
+            o = torch.cat([self.parts.attend(q, k, v, self.kw, rows)
+                           for rows in _chunk_rows(j, self.n, self.order_tp, q.shape[2])], SEQ_DIM)
+            return mark_compute(o, f"L{self.index}.attention"), False
+        ran = self.outs is None
+        if ran:
+            o = mark_compute(self.parts.attend(q, k, v, self.kw), f"L{self.index}.attention")
+            self.outs = _to_chunk_order(o, self.n, self.order_tp)
+        return self.outs[j], ran
+
+
+# ---------------------------------------------------------------------------------------------- the layers
+def _chunk_steps(run: list, attns: list, h, j: int, lag: int):
+    """Generator: chunk j of one copy through the decomposable layers `run` ((index, layer, parts) each, their
+    _Attention in `attns`); yields after every collective it starts and in the middle of the GEMM blocks;
+    returns its output (Pending: the last reduce may still be in flight)."""
+    for (index, _, parts), attn in zip(run, attns):
+        kinds = _Kinds(parts.attn_out)
+        residual = resolve(h)
+        x = mark_compute(parts.input_norm(residual), f"L{index}.norm1")
         for _ in range(lag):
             yield
+        lag = 0
         link = AsyncCollective(kinds.gather, kinds.group, SEQ_DIM, name=f"L{index}.qkv_in")
         token = issue(x, link)
         yield
-        return wait_linears(token, link, [w for w, _ in qkv_w], [b for _, b in qkv_w])
-
-    qkv = yield from round_robin([part_a(j) for j in range(n)], ids)
-    q, k, v = (_to_sequence_order([c[i] for c in qkv], kinds.tp if kinds.sp else 1) for i in range(3))
-    o = mark_compute(parts.attention(q, k, v, kw), f"L{index}.attention")
-    o_chunks = _to_chunk_order(o, n, kinds.tp if kinds.sp else 1)
-    yield  # QKV + attention and out-proj are two steps: each can cover one collective of another copy
-
-    def part_b(j):  # out-proj + residual + norm + FFN of chunk j; the FFN's reduce is left in flight
-        y = mark_compute(F.linear(o_chunks[j], parts.attn_out.weight), f"L{index}.attn_out")
+        qkv_w = [_col_weights(m) for m in parts.qkv]
+        attn.arrive(j, wait_linears(token, link, [w for w, _ in qkv_w], [b for _, b in qkv_w]))
+        if attn.by_rows:
+            yield  # so chunk 0, not the last to arrive, goes first across the barrier
+        while not attn.ready():
+            yield
+        o, ran_whole = attn.output(j)
+        if ran_whole or (attn.by_rows and j % 2):
+            # attention and out-proj are two steps here: in row blocks, odd chunks run a step behind even ones, so
+            # the step inside each reduce-scatter's or gather's window is another chunk's GEMM or attention block,
+            # not the same short norm step (lockstep)
+            yield
+        y = mark_compute(F.linear(o, parts.attn_out.weight), f"L{index}.attn_out")
         link = AsyncCollective(kinds.reduce, kinds.group, SEQ_DIM, name=f"L{index}.attn_out")
         token = issue(y, link)
         yield
-        h = Pending(residual[j], token, link, parts.attn_out).result()
+        h = Pending(residual, token, link, parts.attn_out).result()
         x = mark_compute(parts.post_norm(h), f"L{index}.norm2")
         link = AsyncCollective(kinds.gather, kinds.group, SEQ_DIM, name=f"L{index}.ffn_in")
         token = issue(x, link)
         yield
+        gate_up_w = [_col_weights(m) for m in parts.ffn_in]
         gate, up = wait_linears(token, link, [w for w, _ in gate_up_w], [b for _, b in gate_up_w])
         yield  # gate/up and act + down-proj are two steps, like the attention block
         y = F.linear(mark_compute(parts.act(gate) * up, f"L{index}.ffn"), parts.ffn_out.weight)
         link = AsyncCollective(kinds.reduce, kinds.group, SEQ_DIM, name=f"L{index}.ffn_out")
-        pending = Pending(h, issue(y, link), link, parts.ffn_out)
-        yield  # in flight while the other chunks/copies run; waited at the next layer's part A
-        return pending
+        h = Pending(h, issue(y, link), link, parts.ffn_out)
+        yield  # in flight while the other chunks/copies run; waited at the next layer's norm (or by the caller)
+    return h
 
-    return (yield from round_robin([part_b(j) for j in range(n)], ids))
+
+def decoder_steps(layers: list, hs: list, kw: dict[str, Any], *, copy: Any = 0, lag: int = 0):
+    """Generator: the chunks `hs` (tensors or Pending) of one copy through `layers` ((index, layer, parts) each,
+    parts: the family adapter's LayerParts); yields after every collective it starts (and between GEMM blocks);
+    returns the chunks' outputs. Consecutive decomposable layers run as one chunk generator each, round-robin, so
+    the chunks stay a step apart across layers; others run whole as one step. `kw`: the HF layer kwargs for
+    this copy (position_embeddings, attention_mask, position_ids, ...). lag: extra yields before the first gather
+    (multi_copy.copy_lag)."""
+    n, i = len(hs), 0
+    ids = [copy if n == 1 else (copy, j) for j in range(n)]
+    while i < len(layers):
+        index, layer, parts = layers[i]
+        if not decomposable(layer, parts):
+            out = layer(join_chunks([resolve(h) for h in hs]), **kw)  # its own pre-hooks and blocking collectives
+            hs, lag, i = split_chunks(mark_compute(out, f"L{index}.whole"), n), 0, i + 1
+            continue
+        end = next((e for e in range(i, len(layers)) if not decomposable(*layers[e][1:])), len(layers))
+        run = layers[i:end]
+        attns = [_Attention(p, _Kinds(p.attn_out), n, kw, idx) for idx, _, p in run]
+        hs = yield from round_robin([_chunk_steps(run, attns, hs[j], j, lag) for j in range(n)], ids)
+        lag, i = 0, end
+    return hs

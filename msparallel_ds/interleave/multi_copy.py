@@ -2,7 +2,7 @@
 one copy's tensor/sequence-parallel collective is in flight while another copy computes.
 
 The schedule is written once, for any N: every copy is a generator (`copy_steps`) that runs the decoder layers as
-steps (fine_grain.layer_steps) and yields right after it has started a collective (overlap.issue, async_op=True);
+steps (fine_grain.decoder_steps) and yields right after it has started a collective (overlap.issue, async_op=True);
 `round_robin` resumes the copies in turn, and a copy waits for its collective only when it resumes and needs the
 result. With SP, per layer and copy: [norm, all-gather] [wait, QKV, attention] [out-proj, reduce-scatter] [wait,
 residual, norm, all-gather] [wait, gate/up] [act, down-proj, reduce-scatter]. Copy c starts c % 3 steps behind copy
@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from ..models import LayerParts, adapter_for
 from ..tensor_parallel.layers import RowParallelLinear
 from ..tensor_parallel.mappings import scatter_to_region
-from .fine_grain import SEQ_DIM, decomposable, join_chunks, layer_steps, resolve, split_chunks
+from .fine_grain import SEQ_DIM, decoder_steps, decomposable, join_chunks, resolve, split_chunks
 from .schedule import round_robin, run
 
 __all__ = ["COPY_LOSS_MODES", "InterleavedStack", "check_copy_loss", "copy_loss_terms", "install", "installed",
@@ -71,8 +71,7 @@ def copy_steps(layers: Sequence[tuple[int, nn.Module, Optional[LayerParts]]], h:
     if layers and scatter_group is not None and decomposable(layers[0][1], layers[0][2]):
         h = scatter_to_region(h, scatter_group, SEQ_DIM)  # what that layer's own pre-hook would do (bypassed here)
     hs = split_chunks(h, fine_grain) if len(layers) else [h]
-    for i, (index, layer, parts) in enumerate(layers):
-        hs = yield from layer_steps(layer, parts, hs, kw, index=index, copy=copy, lag=0 if i else copy_lag(copy))
+    hs = yield from decoder_steps(list(layers), hs, kw, copy=copy, lag=copy_lag(copy))
     return join_chunks([resolve(h) for h in hs])
 
 

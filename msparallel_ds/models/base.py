@@ -24,13 +24,17 @@ __all__ = ["DecoderAdapter", "InterleavedLayers", "LayerParts"]
 
 @dataclass(frozen=True)
 class LayerParts:
-    """One decoder layer in the shape fine_grain.layer_steps runs it: norm -> q/k/v -> attention -> o ->
-    residual -> norm -> gate/up -> act -> down -> residual. `attention(q, k, v, layer_kwargs)` is the part
-    between the projections ([b, s, h*d] in and out)."""
+    """One decoder layer in the shape fine_grain.decoder_steps runs it: norm -> q/k/v -> attention -> o ->
+    residual -> norm -> gate/up -> act -> down -> residual. Between the projections: `heads(q, k, v,
+    layer_kwargs)` ([b, s, h*d] -> [b, h, s, d]: q/k norm, RoPE), then `attend(q, k, v, layer_kwargs, rows=None)`
+    (-> [b, s, h*d]); rows=(a, b) runs query rows a..b-1 against keys 0..b-1 only, which the model's attention
+    function allows when `row_blocks()` (causal, no cp)."""
 
     input_norm: nn.Module
     qkv: tuple[nn.Module, nn.Module, nn.Module]
-    attention: Callable[[Tensor, Tensor, Tensor, dict], Tensor]
+    heads: Callable[[Tensor, Tensor, Tensor, dict], tuple[Tensor, Tensor, Tensor]]
+    attend: Callable[..., Tensor]
+    row_blocks: Callable[[], bool]
     attn_out: nn.Module                      # the attention output projection (row-parallel under tp)
     post_norm: nn.Module
     ffn_in: tuple[nn.Module, nn.Module]      # gate and up projections (column-parallel)

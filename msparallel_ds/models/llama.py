@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Mapping, Optional
 
+import torch
 from torch import Tensor, nn
 
 from ..checkpoint.weight_map import FusedGateUp, FusedQKV, Rename, WeightOp
@@ -111,7 +112,9 @@ class LlamaFamily(DecoderAdapter):
         if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             return None
         return LayerParts(input_norm=layer.input_layernorm, qkv=(attn.q_proj, attn.k_proj, attn.v_proj),
-                          attention=lambda q, k, v, kw: _attention(attn, q, k, v, kw), attn_out=attn.o_proj,
+                          heads=lambda q, k, v, kw: _heads(attn, q, k, v, kw),
+                          attend=lambda q, k, v, kw, rows=None: _attend(attn, q, k, v, kw, rows),
+                          row_blocks=lambda: _row_blocks(attn), attn_out=attn.o_proj,
                           post_norm=layer.post_attention_layernorm, ffn_in=(mlp.gate_proj, mlp.up_proj),
                           act=mlp.act_fn, ffn_out=mlp.down_proj)
 
@@ -195,11 +198,8 @@ def _hf_module(attn: nn.Module):
     return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
 
 
-def _attention(attn: nn.Module, q: Tensor, k: Tensor, v: Tensor, kw: dict) -> Tensor:
-    """HF's attention block between the projections: heads, q/k norm (Qwen3), RoPE, the model's attention
-    function (eager / sdpa / our cp backend); [b, s, h*d] in and out."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
+def _heads(attn: nn.Module, q: Tensor, k: Tensor, v: Tensor, kw: dict) -> tuple[Tensor, Tensor, Tensor]:
+    """[b, s, h*d] projections -> [b, h, s, d] q, k, v: heads, q/k norm (Qwen3), RoPE."""
     hf = _hf_module(attn)
     shape = (*q.shape[:-1], -1, attn.head_dim)
     q, k, v = q.view(shape), k.view(shape), v.view(shape)
@@ -208,11 +208,45 @@ def _attention(attn: nn.Module, q: Tensor, k: Tensor, v: Tensor, kw: dict) -> Te
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     cos, sin = kw["position_embeddings"]
     q, k = hf.apply_rotary_pos_emb(q, k, cos, sin)
-    fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, hf.eager_attention_forward)
+    return q, k, v
+
+
+# attention functions that take a block of query rows with a dense mask (cp, flash and flex run whole sequences)
+ROW_BLOCK_IMPLS = ("sdpa", "eager")
+
+
+def _row_blocks(attn: nn.Module) -> bool:
+    return attn.config._attn_implementation in ROW_BLOCK_IMPLS and getattr(attn, "is_causal", True)
+
+
+def _block_mask(mask: Optional[Tensor], rows: tuple[int, int], q: Tensor, impl: str) -> Tensor:
+    """The mask of query rows [a, b) against keys [0, b): the model's own mask cut to that block, or (HF passes
+    none for plain causal sdpa) the causal one, boolean for sdpa, additive for eager."""
+    a, b = rows
+    if mask is not None:
+        return mask[:, :, a:b, :b]
+    seen = torch.arange(b, device=q.device)[None, :] <= torch.arange(a, b, device=q.device)[:, None]
+    if impl != "sdpa":
+        seen = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, torch.finfo(q.dtype).min)
+    return seen[None, None]
+
+
+def _attend(attn: nn.Module, q: Tensor, k: Tensor, v: Tensor, kw: dict,
+            rows: Optional[tuple[int, int]] = None) -> Tensor:
+    """The model's attention function (eager / sdpa / our cp backend) on [b, h, s, d] q/k/v -> [b, s, h*d].
+    rows=(a, b) (only if _row_blocks): query rows a..b-1 against the keys 0..b-1 they can see."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    impl = attn.config._attn_implementation
+    fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, _hf_module(attn).eager_attention_forward)
+    mask = kw.get("attention_mask")
+    if rows is not None:
+        mask = _block_mask(mask, rows, q, impl)
+        q, k, v = q[:, :, rows[0]:rows[1]], k[:, :, :rows[1]], v[:, :, :rows[1]]
     extra = {k_: v_ for k_, v_ in kw.items() if k_ not in ("position_embeddings", "attention_mask", "use_cache",
                                                            "past_key_values", "cache_position")}
     window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
-    out, _ = fn(attn, q, k, v, kw.get("attention_mask"), dropout=attn.attention_dropout if attn.training else 0.0,
+    out, _ = fn(attn, q, k, v, mask, dropout=attn.attention_dropout if attn.training else 0.0,
                 scaling=attn.scaling, sliding_window=window, **extra)
     return out.reshape(*out.shape[:2], -1).contiguous()
 
