@@ -110,7 +110,8 @@ def test_order_pattern_issue_other_computes_then_wait(logs):
 
 def test_input_grad_collective_in_flight_during_weight_grad(logs):
     log = logs[0]["sp_n2"][0]
-    issued = [i for i, (e, c, p, n) in enumerate(log) if e == "issue" and p == "bwd" and n.endswith("_in:reduce_scatter")]
+    issued = [i for i, (e, c, p, n) in enumerate(log)
+              if e == "issue" and p == "bwd" and n.endswith("_in:reduce_scatter")]
     assert len(issued) == 2 * 4 * 2  # copies x layers x (QKV, gate/up)
     for i in issued:
         _, copy, _, name = log[i]
