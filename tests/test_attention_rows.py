@@ -12,20 +12,16 @@ def _layer_inputs(impl, padded):
     """(parts, q, k, v, kw): layer 0's adapter parts, its q/k/v projections of a real hidden state and the
     kwargs HF hands the decoder layer."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from msparallel_ds.models import adapter_for
+    from msparallel_ds.tiny import VOCAB, tiny_llama
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                      attn_implementation=impl)
-    model = LlamaForCausalLM(cfg).float()
+    model = tiny_llama(num_hidden_layers=1, attn_implementation=impl)
     seen = {}
     layer = model.model.layers[0]
     hook = layer.register_forward_pre_hook(lambda m, a, kw: seen.update(h=a[0] if a else kw["hidden_states"],
                                                                          kw=kw), with_kwargs=True)
-    ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, SEQ, dtype=torch.long)
     if padded:
         mask[1, :5] = 0  # left padding in row 1
@@ -79,13 +75,10 @@ def test_a_block_sees_no_later_key():
 
 
 def test_cp_backend_runs_whole_sequences():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from msparallel_ds.models import adapter_for
+    from msparallel_ds.tiny import tiny_llama
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
-    model = LlamaForCausalLM(cfg)
+    model = tiny_llama(num_hidden_layers=1, attn_implementation="sdpa")
     parts = adapter_for(model).layer_parts(model.model.layers[0])
     model.config._attn_implementation = "msparallel_cp"  # what parallelize sets for cp > 1
     assert not parts.row_blocks()

@@ -160,25 +160,28 @@ class _Attention:
     (row blocks: causal attention, no cp), so chunks keep running one after the other across the barrier; else
     the first chunk through runs the whole sequence's attention (cp backends) and every chunk takes its part."""
 
-    def __init__(self, parts: LayerParts, kinds: _Kinds, n: int, kw: dict, index: int):
+    def __init__(self, parts: LayerParts, n: int, kw: dict, index: int):
         self.parts, self.n, self.kw, self.index = parts, n, kw, index
-        self.order_tp = kinds.tp if kinds.sp else 1
+        self.kinds = _Kinds(parts.attn_out)  # the layer's collectives, for every chunk
+        self.order_tp = self.kinds.tp if self.kinds.sp else 1
         self.by_rows = n > 1 and parts.row_blocks()
-        self.qkv: list = [None] * n
+        self.qkv: Optional[list] = [None] * n  # dropped once the heads are made
+        self.arrived = 0
         self.heads = self.outs = None
 
     def arrive(self, j: int, qkv) -> None:
         self.qkv[j] = qkv
+        self.arrived += 1
 
     def ready(self) -> bool:
-        return all(x is not None for x in self.qkv)
+        return self.arrived == self.n
 
     def output(self, j: int) -> tuple[Tensor, bool]:
         """(chunk j's attention output [b, tp*s_c, h*d] in chunk order, whether this call ran the whole attention)."""
         if self.heads is None:
             self.heads = self.parts.heads(*(_to_sequence_order([c[i] for c in self.qkv], self.order_tp)
                                             for i in range(3)), self.kw)
-            self.qkv = [()] * self.n  # references dropped; arrive-state kept
+            self.qkv = None
         q, k, v = self.heads
         if self.by_rows:
             o = torch.cat([self.parts.attend(q, k, v, self.kw, rows)
@@ -197,7 +200,7 @@ def _chunk_steps(run: list, attns: list, h, j: int, lag: int):
     _Attention in `attns`); yields after every collective it starts and in the middle of the GEMM blocks;
     returns its output (Pending: the last reduce may still be in flight)."""
     for (index, _, parts), attn in zip(run, attns):
-        kinds = _Kinds(parts.attn_out)
+        kinds = attn.kinds
         residual = resolve(h)
         x = mark_compute(parts.input_norm(residual), f"L{index}.norm1")
         for _ in range(lag):
@@ -254,7 +257,7 @@ def decoder_steps(layers: list, hs: list, kw: dict[str, Any], *, copy: Any = 0, 
             continue
         end = next((e for e in range(i, len(layers)) if not decomposable(*layers[e][1:])), len(layers))
         run = layers[i:end]
-        attns = [_Attention(p, _Kinds(p.attn_out), n, kw, idx) for idx, _, p in run]
+        attns = [_Attention(p, n, kw, idx) for idx, _, p in run]
         hs = yield from round_robin([_chunk_steps(run, attns, hs[j], j, lag) for j in range(n)], ids)
         lag, i = 0, end
     return hs
