@@ -16,6 +16,16 @@ Two links:
 Hidden fraction = (baseline step - variant step) / min(compute, comm), the baseline's compute being its step time
 without the modelled link minus the time it blocked in collectives, and comm the modelled (or, for the real link,
 the blocked) collective time per step. 1.0 = everything hideable was hidden; the speedup bound is 2x.
+Real-link bound (modelled rows): the hidden fraction the variant would reach if its modelled-link step were its
+real-link step. The modelled link only delays collectives, so a variant's real-link step is a floor of its
+modelled one: what the variant's own CPU work (its compute, its python, gloo's threads moving the bytes on the same
+cores) costs, which no schedule of the same work on this machine can hide. It also reports the baseline's forward
+compute (`compute_fwd_s`), for the forward's own bound (see benchmarks/README.md).
+Where a modelled step's time goes (rank 0, per round medians; instruments.comm_stats): `exposed` = time blocked
+before collectives' modelled completion, the link time the schedule left exposed (`link hidden` = 1 - exposed /
+hideable: the schedule's own share); `gloo late` = time blocked after it, the real gloo collective finishing
+later than the modelled link would (its threads share the cores); `other` = step - blocked - the baseline's
+compute, the variant's extra CPU time (python, smaller GEMMs, gloo's threads beside compute).
 
 Timing: --repeats rounds, the variant order rotated per round; each round times --steps steps per variant after a
 warm-up step (barrier before each step, the slowest rank's time) and keeps their median; reported: the median over
@@ -97,15 +107,23 @@ def _worker(rank, a, port, out):
         model.zero_grad(set_to_none=True)
         return t.item()
 
-    def timed(link):
-        """Per round, the median step time of each variant: {variant: [round medians]}."""
+    def timed(link, split):
+        """Per round, the median step time of each variant: {variant: [round medians]}; with a link, also this
+        rank's median link-exposed and blocked time per step into split {variant: {key: [round medians]}}."""
         times = {name: [] for name, _, _ in variants}
         for r in range(a.repeats):
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             for name, _, _ in order:
                 with (modelled_link(*link) if link else _null()):
                     step(models[name])
-                    times[name].append(statistics.median(step(models[name]) for _ in range(a.steps)))
+                    runs = []
+                    for _ in range(a.steps):
+                        with comm_stats() as st:
+                            runs.append((step(models[name]), st["link_exposed_s"], st["blocked_s"]))
+                times[name].append(statistics.median(t for t, _, _ in runs))
+                if link:
+                    for i, key in ((1, "link_exposed_s"), (2, "blocked_s")):
+                        split.setdefault(name, {}).setdefault(key, []).append(statistics.median(x[i] for x in runs))
         return times
 
     # the baseline's compute and collectives without the modelled link
@@ -119,6 +137,19 @@ def _worker(rank, a, port, out):
     t_off, t_blocked = statistics.median(base_off), statistics.median(blocked)
     compute = t_off - t_blocked
     n_coll, nbytes = counts
+
+    def forward(model):  # the forward alone (its graph dropped): its share bounds what a forward can hide
+        dist.barrier()
+        t0 = time.perf_counter()
+        model(input_ids=ids, labels=ids, use_cache=False)
+        return time.perf_counter() - t0
+
+    fwd_off, fwd_blocked = [], []
+    for _ in range(a.steps * 2):
+        with comm_stats() as st:
+            fwd_off.append(forward(models["baseline"]))
+        fwd_blocked.append(st["blocked_s"])
+    compute_fwd = statistics.median(fwd_off) - statistics.median(fwd_blocked)
     bw = a.bandwidth or nbytes / max(compute - n_coll * a.alpha, 1e-6)
     link = torch.tensor([a.alpha, bw])
     dist.broadcast(link, 0)  # one link model for every rank
@@ -126,12 +157,17 @@ def _worker(rank, a, port, out):
     with modelled_link(alpha, bw), comm_stats() as st:
         step(models["baseline"])
     comm_modelled = st["modelled_s"]
+    with modelled_link(alpha, bw), comm_stats() as st:
+        forward(models["baseline"])
+    comm_fwd_modelled = st["modelled_s"]
 
-    results = {"real": timed(None), "modelled": timed((alpha, bw))}
+    split = {}
+    results = {"real": timed(None, split), "modelled": timed((alpha, bw), split)}
     if rank == 0:
-        out.put({"compute_s": compute, "blocked_real_s": t_blocked, "collectives_per_step": n_coll,
-                 "bus_bytes_per_step": nbytes, "alpha_s": alpha, "bandwidth_Bps": bw,
-                 "comm_modelled_s": comm_modelled, "step_s": results})
+        out.put({"compute_s": compute, "compute_fwd_s": compute_fwd, "blocked_real_s": t_blocked,
+                 "collectives_per_step": n_coll, "bus_bytes_per_step": nbytes, "alpha_s": alpha, "bandwidth_Bps": bw,
+                 "comm_modelled_s": comm_modelled, "comm_fwd_modelled_s": comm_fwd_modelled, "step_s": results,
+                 "modelled_split_rank0": split})
     dist.destroy_process_group()
 
 
@@ -187,20 +223,35 @@ def main(argv=None):
         base = times["baseline"]
         for name, _, _ in _chosen(a):
             t = times[name]
-            rows.append({"link": link, "variant": name, "step_s": statistics.median(t),
-                         "speedup": statistics.median(b / x for b, x in zip(base, t)),
-                         "hidden_fraction": statistics.median((b - x) / hide_by[link] for b, x in zip(base, t)),
-                         "rounds_step_s": t})
+            row = {"link": link, "variant": name, "step_s": statistics.median(t),
+                   "speedup": statistics.median(b / x for b, x in zip(base, t)),
+                   "hidden_fraction": statistics.median((b - x) / hide_by[link] for b, x in zip(base, t)),
+                   "rounds_step_s": t}
+            if link == "modelled":
+                real = res["step_s"]["real"][name]  # the variant's own real-link step as its modelled step
+                row["real_link_bound"] = statistics.median((b - x) / hide_by[link] for b, x in zip(base, real))
+                sp = res["modelled_split_rank0"][name]
+                exposed, blocked = statistics.median(sp["link_exposed_s"]), statistics.median(sp["blocked_s"])
+                row.update(link_exposed_s=exposed, gloo_late_s=blocked - exposed,
+                           link_hidden=1 - exposed / hide_by[link],
+                           other_s=row["step_s"] - blocked - res["compute_s"])
+            rows.append(row)
     res.update(rows=rows, hideable_s=hide_by, args=vars(a))
     print(f"tp={a.world} + SP, {a.layers} layers, hidden {a.hidden}, seq {a.seq}, {a.rows} rows; compute "
-          f"{res['compute_s'] * 1e3:.0f} ms/step, real gloo blocked {res['blocked_real_s'] * 1e3:.0f} ms, modelled "
-          f"comm {res['comm_modelled_s'] * 1e3:.0f} ms ({res['collectives_per_step']} collectives, "
+          f"{res['compute_s'] * 1e3:.0f} ms/step (forward {res['compute_fwd_s'] * 1e3:.0f}), real gloo blocked "
+          f"{res['blocked_real_s'] * 1e3:.0f} ms, modelled comm {res['comm_modelled_s'] * 1e3:.0f} ms (forward "
+          f"{res['comm_fwd_modelled_s'] * 1e3:.0f}; {res['collectives_per_step']} collectives, "
           f"{res['bus_bytes_per_step'] / 1e6:.1f} MB bus; alpha {res['alpha_s'] * 1e6:.0f} us, "
           f"{res['bandwidth_Bps'] / 1e6:.0f} MB/s)")
-    print(f"{'link':9} {'variant':13} {'step ms':>8} {'speedup':>8} {'hidden':>7}")
+    print(f"{'link':9} {'variant':13} {'step ms':>8} {'speedup':>8} {'hidden':>7} | {'real-link bound':>15} "
+          f"{'link hidden':>11} {'exposed ms':>10} {'gloo late ms':>12} {'other ms':>9}")
     for r in rows:
-        print(f"{r['link']:9} {r['variant']:13} {r['step_s'] * 1e3:8.1f} {r['speedup']:8.2f} "
-              f"{r['hidden_fraction'] * 100:6.0f}%")
+        line = (f"{r['link']:9} {r['variant']:13} {r['step_s'] * 1e3:8.1f} {r['speedup']:8.2f} "
+                f"{r['hidden_fraction'] * 100:6.0f}%")
+        if "real_link_bound" in r:
+            line += (f" | {r['real_link_bound'] * 100:14.0f}% {r['link_hidden'] * 100:10.0f}% "
+                     f"{r['link_exposed_s'] * 1e3:10.1f} {r['gloo_late_s'] * 1e3:12.1f} {r['other_s'] * 1e3:9.1f}")
+        print(line)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
     print(f"wrote {a.out}")

@@ -70,9 +70,11 @@ def modelled_link(alpha_s: float, bytes_per_s: float):
 @contextlib.contextmanager
 def comm_stats():
     """Count the collectives completed inside: yields {collectives, bus_bytes, blocked_s (wall time the caller
-    spent waiting in them), modelled_s (their modelled durations, with modelled_link)}."""
+    spent waiting in them), modelled_s (their modelled durations, with modelled_link), link_exposed_s (with
+    modelled_link: the part of blocked_s before each collective's modelled completion, i.e. the link time the
+    schedule left exposed; the rest of blocked_s is the real collective finishing later than the model)}."""
     prev = _state.stats
-    _state.stats = {"collectives": 0, "bus_bytes": 0.0, "blocked_s": 0.0, "modelled_s": 0.0}
+    _state.stats = {"collectives": 0, "bus_bytes": 0.0, "blocked_s": 0.0, "modelled_s": 0.0, "link_exposed_s": 0.0}
     try:
         yield _state.stats
     finally:
@@ -117,13 +119,16 @@ def _floor(t0: float, nbytes: float) -> None:
         time.sleep(left)
 
 
-def _count(nbytes: float, blocked_from: float) -> None:
+def _count(nbytes: float, blocked_from: float, t0: Optional[float]) -> None:
     st = _state.stats
     st["collectives"] += 1
     st["bus_bytes"] += nbytes
     st["blocked_s"] += time.perf_counter() - blocked_from
     if _state.link is not None:
-        st["modelled_s"] += _state.link[0] + nbytes / _state.link[1]
+        modelled = _state.link[0] + nbytes / _state.link[1]
+        st["modelled_s"] += modelled
+        if t0 is not None:  # the caller waited from blocked_from; the link alone would have held it until t0 + modelled
+            st["link_exposed_s"] += max(0.0, t0 + modelled - blocked_from)
 
 
 def sync_start() -> Optional[float]:
@@ -137,7 +142,7 @@ def sync_done(t0: Optional[float], kind: str, nbytes: float) -> None:
         if _state.link is not None:
             _floor(t0, nbytes)
         if _state.stats is not None:
-            _count(nbytes, t0)
+            _count(nbytes, t0, t0)
     record("sync", kind)
 
 
@@ -162,5 +167,5 @@ def async_finished(t0: Optional[float], blocked_from: float, nbytes: float, name
     if t0 is not None and _state.link is not None:
         _floor(t0, nbytes)
     if _state.stats is not None:
-        _count(nbytes, blocked_from)
+        _count(nbytes, blocked_from, t0)
     record(event, name, phase, copy)
