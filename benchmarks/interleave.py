@@ -25,7 +25,9 @@ Where a modelled step's time goes (rank 0, per round medians; instruments.comm_s
 before collectives' modelled completion, the link time the schedule left exposed (`link hidden` = 1 - exposed /
 hideable: the schedule's own share); `gloo late` = time blocked after it, the real gloo collective finishing
 later than the modelled link would (its threads share the cores); `other` = step - blocked - the baseline's
-compute, the variant's extra CPU time (python, smaller GEMMs, gloo's threads beside compute).
+compute, the variant's extra CPU time (python, smaller GEMMs, gloo's threads beside compute). From the kernel's
+per-thread schedstat, per step: the main thread's CPU time, its time runnable but descheduled (another thread or
+process had the core), and the CPU time of the process's other threads (gloo's workers moving the bytes).
 
 Timing: --repeats rounds, the variant order rotated per round; each round times --steps steps per variant after a
 warm-up step (barrier before each step, the slowest rank's time) and keeps their median; reported: the median over
@@ -43,9 +45,12 @@ import json
 import os
 import socket
 import statistics
+import threading
 import time
 from pathlib import Path
 
+# per modelled step on rank 0: time blocked before / in all collectives, and the threads' times (_thread_times)
+SPLIT = ("link_exposed_s", "blocked_s", "main_cpu_s", "main_descheduled_s", "other_threads_cpu_s")
 VARIANTS = [("baseline", 0, 1), ("N=1", 1, 1), ("N=2", 2, 1), ("N=4", 4, 1), ("fine_grain=2", 1, 2)]
 
 
@@ -98,11 +103,15 @@ def _worker(rank, a, port, out):
         models[name] = model.train()
     ids = torch.randint(0, a.vocab, (a.rows, a.seq), generator=torch.Generator().manual_seed(1))
 
+    main_tid, threads = threading.get_native_id(), [None]
+
     def step(model):
         dist.barrier()
-        t0 = time.perf_counter()
+        s0, t0 = _thread_times(main_tid), time.perf_counter()
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         t = torch.tensor([time.perf_counter() - t0])
+        s1 = _thread_times(main_tid)
+        threads[0] = None if s0 is None or s1 is None else [b - a for a, b in zip(s0, s1)]
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         model.zero_grad(set_to_none=True)
         return t.item()
@@ -119,11 +128,14 @@ def _worker(rank, a, port, out):
                     runs = []
                     for _ in range(a.steps):
                         with comm_stats() as st:
-                            runs.append((step(models[name]), st["link_exposed_s"], st["blocked_s"]))
-                times[name].append(statistics.median(t for t, _, _ in runs))
+                            t = step(models[name])
+                        runs.append((t, st["link_exposed_s"], st["blocked_s"], *(threads[0] or (None,) * 3)))
+                times[name].append(statistics.median(x[0] for x in runs))
                 if link:
-                    for i, key in ((1, "link_exposed_s"), (2, "blocked_s")):
-                        split.setdefault(name, {}).setdefault(key, []).append(statistics.median(x[i] for x in runs))
+                    for i, key in enumerate(SPLIT, 1):
+                        if runs[0][i] is not None:
+                            split.setdefault(name, {}).setdefault(key, []).append(
+                                statistics.median(x[i] for x in runs))
         return times
 
     # the baseline's compute and collectives without the modelled link
@@ -169,6 +181,22 @@ def _worker(rank, a, port, out):
                  "comm_modelled_s": comm_modelled, "comm_fwd_modelled_s": comm_fwd_modelled, "step_s": results,
                  "modelled_split_rank0": split})
     dist.destroy_process_group()
+
+
+def _thread_times(main_tid):
+    """(main thread's CPU s, its time runnable but not running s, the other threads' CPU s: gloo's workers) from
+    /proc/self/task/*/schedstat, or None where the kernel has no schedstat."""
+    main = others = None
+    try:
+        for task in Path("/proc/self/task").iterdir():
+            cpu, waited = (int(v) * 1e-9 for v in (task / "schedstat").read_text().split()[:2])
+            if int(task.name) == main_tid:
+                main = (cpu, waited)
+            else:
+                others = (others or 0.0) + cpu
+    except (OSError, ValueError):
+        return None
+    return None if main is None else (*main, others or 0.0)
 
 
 def _chosen(a):
@@ -234,7 +262,8 @@ def main(argv=None):
                 exposed, blocked = statistics.median(sp["link_exposed_s"]), statistics.median(sp["blocked_s"])
                 row.update(link_exposed_s=exposed, gloo_late_s=blocked - exposed,
                            link_hidden=1 - exposed / hide_by[link],
-                           other_s=row["step_s"] - blocked - res["compute_s"])
+                           other_s=row["step_s"] - blocked - res["compute_s"],
+                           **{k: statistics.median(sp[k]) for k in SPLIT[2:] if k in sp})
             rows.append(row)
     res.update(rows=rows, hideable_s=hide_by, args=vars(a))
     print(f"tp={a.world} + SP, {a.layers} layers, hidden {a.hidden}, seq {a.seq}, {a.rows} rows; compute "
@@ -244,13 +273,17 @@ def main(argv=None):
           f"{res['bus_bytes_per_step'] / 1e6:.1f} MB bus; alpha {res['alpha_s'] * 1e6:.0f} us, "
           f"{res['bandwidth_Bps'] / 1e6:.0f} MB/s)")
     print(f"{'link':9} {'variant':13} {'step ms':>8} {'speedup':>8} {'hidden':>7} | {'real-link bound':>15} "
-          f"{'link hidden':>11} {'exposed ms':>10} {'gloo late ms':>12} {'other ms':>9}")
+          f"{'link hidden':>11} {'exposed ms':>10} {'gloo late ms':>12} {'other ms':>9} | {'main CPU ms':>11} "
+          f"{'main descheduled':>16} {'gloo threads CPU':>16}")
     for r in rows:
         line = (f"{r['link']:9} {r['variant']:13} {r['step_s'] * 1e3:8.1f} {r['speedup']:8.2f} "
                 f"{r['hidden_fraction'] * 100:6.0f}%")
         if "real_link_bound" in r:
             line += (f" | {r['real_link_bound'] * 100:14.0f}% {r['link_hidden'] * 100:10.0f}% "
                      f"{r['link_exposed_s'] * 1e3:10.1f} {r['gloo_late_s'] * 1e3:12.1f} {r['other_s'] * 1e3:9.1f}")
+            if "main_cpu_s" in r:
+                line += (f" | {r['main_cpu_s'] * 1e3:11.1f} {r['main_descheduled_s'] * 1e3:16.1f} "
+                         f"{r['other_threads_cpu_s'] * 1e3:16.1f}")
         print(line)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
