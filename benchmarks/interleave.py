@@ -103,33 +103,40 @@ def _worker(rank, a, port, out):
         models[name] = model.train()
     ids = torch.randint(0, a.vocab, (a.rows, a.seq), generator=torch.Generator().manual_seed(1))
 
-    main_tid, threads = threading.get_native_id(), [None]
+    main_tid = threading.get_native_id()
 
-    def step(model):
+    def step(model, threads=None):
+        """One forward + backward; the slowest rank's time. threads (a list): gets this rank's _thread_times
+        deltas over the step (None without schedstat) appended."""
         dist.barrier()
-        s0, t0 = _thread_times(main_tid), time.perf_counter()
+        s0 = _thread_times(main_tid) if threads is not None else None
+        t0 = time.perf_counter()
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         t = torch.tensor([time.perf_counter() - t0])
-        s1 = _thread_times(main_tid)
-        threads[0] = None if s0 is None or s1 is None else [b - a for a, b in zip(s0, s1)]
+        if threads is not None:
+            s1 = _thread_times(main_tid)
+            threads.append(None if s0 is None or s1 is None else [b - a for a, b in zip(s0, s1)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         model.zero_grad(set_to_none=True)
         return t.item()
 
+    def split_step(model):
+        """step() under the modelled link: (time, *this rank's SPLIT values; None where schedstat is missing)."""
+        threads = []
+        with comm_stats() as st:
+            t = step(model, threads)
+        return (t, st["link_exposed_s"], st["blocked_s"], *(threads[0] or (None,) * 3))
+
     def timed(link, split):
         """Per round, the median step time of each variant: {variant: [round medians]}; with a link, also this
-        rank's median link-exposed and blocked time per step into split {variant: {key: [round medians]}}."""
+        rank's medians of the SPLIT values into split {variant: {key: [round medians]}}."""
         times = {name: [] for name, _, _ in variants}
         for r in range(a.repeats):
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             for name, _, _ in order:
                 with (modelled_link(*link) if link else _null()):
                     step(models[name])
-                    runs = []
-                    for _ in range(a.steps):
-                        with comm_stats() as st:
-                            t = step(models[name])
-                        runs.append((t, st["link_exposed_s"], st["blocked_s"], *(threads[0] or (None,) * 3)))
+                    runs = [split_step(models[name]) if link else (step(models[name]),) for _ in range(a.steps)]
                 times[name].append(statistics.median(x[0] for x in runs))
                 if link:
                     for i, key in enumerate(SPLIT, 1):

@@ -153,8 +153,9 @@ def _chunk_rows(j: int, n: int, tp: int, seq: int) -> list[tuple[int, int]]:
     return [((r * n + j) * size, (r * n + j + 1) * size) for r in range(tp)]
 
 
-class _Attention:
-    """One layer's attention for the chunks of one copy. It is their barrier: a chunk's queries need keys of every
+class _SharedLayer:
+    """What the chunks of one copy share in one layer: its collective kinds, its column-side (weight, bias) pairs
+    (derived once, not per chunk), and its attention, which is their barrier: a chunk's queries need keys of every
     chunk (with SP, gathered chunk j holds every tp rank's j-th slice, so even causal attention reaches into the
     later chunks). Once every chunk's q/k/v is in, each chunk runs its own query rows against the keys they see
     (row blocks: causal attention, no cp), so chunks keep running one after the other across the barrier; else
@@ -163,6 +164,8 @@ class _Attention:
     def __init__(self, parts: LayerParts, n: int, kw: dict, index: int):
         self.parts, self.n, self.kw, self.index = parts, n, kw, index
         self.kinds = _Kinds(parts.attn_out)  # the layer's collectives, for every chunk
+        self.qkv_w, self.qkv_b = zip(*(_col_weights(m) for m in parts.qkv))
+        self.gate_up_w, self.gate_up_b = zip(*(_col_weights(m) for m in parts.ffn_in))
         self.order_tp = self.kinds.tp if self.kinds.sp else 1
         self.by_rows = n > 1 and parts.row_blocks()
         self.qkv: Optional[list] = [None] * n  # dropped once the heads are made
@@ -195,12 +198,12 @@ class _Attention:
 
 
 # ---------------------------------------------------------------------------------------------- the layers
-def _chunk_steps(run: list, attns: list, h, j: int, lag: int):
+def _chunk_steps(run: list, shared_layers: list, h, j: int, lag: int):
     """Generator: chunk j of one copy through the decomposable layers `run` ((index, layer, parts) each, their
-    _Attention in `attns`); yields after every collective it starts and in the middle of the GEMM blocks;
+    _SharedLayer in `shared_layers`); yields after every collective it starts and in the middle of the GEMM blocks;
     returns its output (Pending: the last reduce may still be in flight)."""
-    for (index, _, parts), attn in zip(run, attns):
-        kinds = attn.kinds
+    for (index, _, parts), shared in zip(run, shared_layers):
+        kinds = shared.kinds
         residual = resolve(h)
         x = mark_compute(parts.input_norm(residual), f"L{index}.norm1")
         for _ in range(lag):
@@ -209,14 +212,13 @@ def _chunk_steps(run: list, attns: list, h, j: int, lag: int):
         link = AsyncCollective(kinds.gather, kinds.group, SEQ_DIM, name=f"L{index}.qkv_in")
         token = issue(x, link)
         yield
-        qkv_w = [_col_weights(m) for m in parts.qkv]
-        attn.arrive(j, wait_linears(token, link, [w for w, _ in qkv_w], [b for _, b in qkv_w]))
-        if attn.by_rows:
+        shared.arrive(j, wait_linears(token, link, shared.qkv_w, shared.qkv_b))
+        if shared.by_rows:
             yield  # so chunk 0, not the last to arrive, goes first across the barrier
-        while not attn.ready():
+        while not shared.ready():
             yield
-        o, ran_whole = attn.output(j)
-        if ran_whole or (attn.by_rows and j % 2):
+        o, ran_whole = shared.output(j)
+        if ran_whole or (shared.by_rows and j % 2):
             # attention and out-proj are two steps here: in row blocks, odd chunks run a step behind even ones, so
             # the step inside each reduce-scatter's or gather's window is another chunk's GEMM or attention block,
             # not the same short norm step (lockstep)
@@ -230,8 +232,7 @@ def _chunk_steps(run: list, attns: list, h, j: int, lag: int):
         link = AsyncCollective(kinds.gather, kinds.group, SEQ_DIM, name=f"L{index}.ffn_in")
         token = issue(x, link)
         yield
-        gate_up_w = [_col_weights(m) for m in parts.ffn_in]
-        gate, up = wait_linears(token, link, [w for w, _ in gate_up_w], [b for _, b in gate_up_w])
+        gate, up = wait_linears(token, link, shared.gate_up_w, shared.gate_up_b)
         yield  # gate/up and act + down-proj are two steps, like the attention block
         y = F.linear(mark_compute(parts.act(gate) * up, f"L{index}.ffn"), parts.ffn_out.weight)
         link = AsyncCollective(kinds.reduce, kinds.group, SEQ_DIM, name=f"L{index}.ffn_out")
@@ -257,7 +258,7 @@ def decoder_steps(layers: list, hs: list, kw: dict[str, Any], *, copy: Any = 0, 
             continue
         end = next((e for e in range(i, len(layers)) if not decomposable(*layers[e][1:])), len(layers))
         run = layers[i:end]
-        attns = [_Attention(p, n, kw, idx) for idx, _, p in run]
-        hs = yield from round_robin([_chunk_steps(run, attns, hs[j], j, lag) for j in range(n)], ids)
+        shared = [_SharedLayer(p, n, kw, idx) for idx, _, p in run]
+        hs = yield from round_robin([_chunk_steps(run, shared, hs[j], j, lag) for j in range(n)], ids)
         lag, i = 0, end
     return hs
