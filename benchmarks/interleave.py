@@ -42,22 +42,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import threading
 import time
 from pathlib import Path
 
+from _ranks import run_ranks  # benchmarks/ is sys.path[0] when run as a script
+
 # per modelled step on rank 0: time blocked before / in all collectives, and the threads' times (_thread_times)
 SPLIT = ("link_exposed_s", "blocked_s", "main_cpu_s", "main_descheduled_s", "other_threads_cpu_s")
 VARIANTS = [("baseline", 0, 1), ("N=1", 1, 1), ("N=2", 2, 1), ("N=4", 4, 1), ("fine_grain=2", 1, 2)]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(a):
@@ -82,8 +77,8 @@ def _model(a):
     return LlamaForCausalLM(cfg).float()
 
 
-def _worker(rank, a, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank, world, a):
+    """One rank (run by _ranks.run_ranks, which sets the env, reports and cleans up); rank 0 returns the results."""
     import torch
     import torch.distributed as dist
 
@@ -92,7 +87,7 @@ def _worker(rank, a, port, out):
     from msparallel_ds.distributed.instruments import comm_stats, modelled_link
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=a.world)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     layout = msp.init_parallel(msp.load_config(_config(a)))
     variants = _chosen(a)
     models = {}
@@ -182,12 +177,10 @@ def _worker(rank, a, port, out):
 
     split = {}
     results = {"real": timed(None, split), "modelled": timed((alpha, bw), split)}
-    if rank == 0:
-        out.put({"compute_s": compute, "compute_fwd_s": compute_fwd, "blocked_real_s": t_blocked,
-                 "collectives_per_step": n_coll, "bus_bytes_per_step": nbytes, "alpha_s": alpha, "bandwidth_Bps": bw,
-                 "comm_modelled_s": comm_modelled, "comm_fwd_modelled_s": comm_fwd_modelled, "step_s": results,
-                 "modelled_split_rank0": split})
-    dist.destroy_process_group()
+    return {"compute_s": compute, "compute_fwd_s": compute_fwd, "blocked_real_s": t_blocked,
+            "collectives_per_step": n_coll, "bus_bytes_per_step": nbytes, "alpha_s": alpha, "bandwidth_Bps": bw,
+            "comm_modelled_s": comm_modelled, "comm_fwd_modelled_s": comm_fwd_modelled, "step_s": results,
+            "modelled_split_rank0": split} if rank == 0 else None
 
 
 def _thread_times(main_tid):
@@ -239,17 +232,10 @@ def main(argv=None):
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "interleave_cpu.json"))
     a = p.parse_args(argv)
 
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, a, port, q)) for r in range(a.world)]
-    for pr in procs:
-        pr.start()
-    res = q.get(timeout=3600)
-    for pr in procs:
-        pr.join()
+    ranks, failed, _ = run_ranks(_worker, a.world, (a,), timeout=3600, spawn=True, name="interleave")
+    if failed:
+        raise SystemExit(f"benchmark rank failed: {failed['traceback']}")
+    res = ranks[0]
 
     hide_by = {"real": min(res["compute_s"], res["blocked_real_s"]),
                "modelled": min(res["compute_s"], res["comm_modelled_s"])}

@@ -1,7 +1,8 @@
 """The interleave order, from the collectives' event recorder (deterministic, no timing): in forward and in
 backward, while one copy's tensor/sequence-parallel collective is in flight (between its issue and its wait),
 another copy computes; in backward each QKV / gate-up input-grad collective is in flight during that copy's
-weight-grad GEMMs. Negative control: with N = 1 no window holds another copy's compute.
+weight-grad GEMMs, and in forward each QKV / gate-up all-gather during the copy's GEMM of its own rows.
+Negative control: with N = 1 no window holds another copy's compute.
 
 2 gloo processes (tp2), one forward + backward of a tiny Llama per case; events are
 (event, copy, phase, name) with event in issue | wait | compute | sync.
@@ -118,6 +119,19 @@ def test_input_grad_collective_in_flight_during_weight_grad(logs):
         assert log[i + 1] == ("compute", copy, "bwd", name.split(":")[0] + ":wgrad"), log[i:i + 2]
         wait_at = next(j for j in range(i, len(log)) if log[j][:2] == ("wait", copy) and log[j][3] == name)
         assert wait_at > i + 1
+
+
+@pytest.mark.parametrize("name", ["sp_n1", "sp_n2", "sp_fine_grain2"])
+def test_gather_multiplies_own_rows_in_flight(logs, name):
+    """Local-first: right after each QKV / gate-up all-gather is issued, the copy multiplies its own rows (the
+    gather's window holds the copy's own GEMM, also at N = 1); reduce-scatters and backward have no such step."""
+    log = logs[0][name][0]
+    issued = [i for i, (e, c, p, n) in enumerate(log) if e == "issue" and p == "fwd" and n.endswith(":all_gather")]
+    assert len(issued) == 2 * 4 * (2 if name == "sp_n2" else 1) * (2 if name.endswith("grain2") else 1)
+    for i in issued:
+        _, copy, _, name_ = log[i]
+        assert log[i + 1] == ("compute", copy, "fwd", name_.split(":")[0] + ":gemm_local"), log[i:i + 2]
+    assert sum(1 for e in log if e[3].endswith(":gemm_local")) == len(issued)
 
 
 def test_fine_grain_chunks_overlap(logs):

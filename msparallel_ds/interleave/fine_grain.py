@@ -11,10 +11,12 @@ Each chunk is one generator through all the consecutive decomposable layers. A s
 collective (overlap.issue) and then yields; the scheduler (schedule.round_robin) runs the next chunk (or copy), and
 the chunk waits for its result only when it resumes:
 
-    A  wait(prev layer's FFN reduce) + residual, norm, issue gather -> yield -> wait + q/k/v GEMMs (wait_linears)
-       -> yield; the attention's barrier: wait (yielding) until every chunk's q/k/v is in
-    B  attention -> out-proj, issue reduce -> yield -> wait + residual, norm, issue gather -> yield -> wait +
-       gate/up GEMMs -> yield -> act, down-proj, issue reduce -> yield; the result is waited at the next A
+    A  wait(prev layer's FFN reduce) + residual, norm, issue gather (+ q/k/v GEMMs of this rank's own rows with
+       SP) -> yield -> wait + the other rows' q/k/v GEMMs (wait_linears) -> yield; the attention's barrier: wait
+       (yielding) until every chunk's q/k/v is in
+    B  attention -> out-proj, issue reduce -> yield -> wait + residual, norm, issue gather (+ own rows' gate/up)
+       -> yield -> wait + gate/up GEMMs -> yield -> act, down-proj, issue reduce -> yield; the result is waited
+       at the next A
 The yields without a collective split each GEMM block in two, so every collective of another copy has a GEMM
 step (not only a norm) between its issue and its wait.
 
@@ -210,7 +212,7 @@ def _chunk_steps(run: list, shared_layers: list, h, j: int, lag: int):
             yield
         lag = 0
         link = AsyncCollective(kinds.gather, kinds.group, SEQ_DIM, name=f"L{index}.qkv_in")
-        token = issue(x, link)
+        token = issue(x, link, (shared.qkv_w, shared.qkv_b))  # with SP: this rank's rows' q/k/v now
         yield
         shared.arrive(j, wait_linears(token, link, shared.qkv_w, shared.qkv_b))
         if shared.by_rows:
@@ -230,7 +232,7 @@ def _chunk_steps(run: list, shared_layers: list, h, j: int, lag: int):
         h = Pending(residual, token, link, parts.attn_out).result()
         x = mark_compute(parts.post_norm(h), f"L{index}.norm2")
         link = AsyncCollective(kinds.gather, kinds.group, SEQ_DIM, name=f"L{index}.ffn_in")
-        token = issue(x, link)
+        token = issue(x, link, (shared.gate_up_w, shared.gate_up_b))
         yield
         gate, up = wait_linears(token, link, shared.gate_up_w, shared.gate_up_b)
         yield  # gate/up and act + down-proj are two steps, like the attention block

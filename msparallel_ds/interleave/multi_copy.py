@@ -4,10 +4,12 @@ one copy's tensor/sequence-parallel collective is in flight while another copy c
 The schedule is written once, for any N: every copy is a generator (`copy_steps`) that runs the decoder layers as
 steps (fine_grain.decoder_steps) and yields right after it has started a collective (overlap.issue, async_op=True);
 `round_robin` resumes the copies in turn, and a copy waits for its collective only when it resumes and needs the
-result. With SP, per layer and copy: [norm, all-gather] [wait, QKV, attention] [out-proj, reduce-scatter] [wait,
-residual, norm, all-gather] [wait, gate/up] [act, down-proj, reduce-scatter]. Copy c starts c % 3 steps behind copy
-0 (copy_lag), so the step another copy runs inside a norm-step's window is a GEMM step, not the same short norm
-step (in lockstep every second collective had only a norm to hide behind).
+result. With SP, per layer and copy: [norm, all-gather, QKV of own rows] [wait, QKV of the others' rows,
+attention] [out-proj, reduce-scatter] [wait, residual, norm, all-gather, gate/up of own rows] [wait, gate/up of
+the others' rows] [act, down-proj, reduce-scatter] (overlap.local_linears: a gather's window holds the copy's own
+GEMM too). Copy c starts c % 3 steps behind copy 0 (copy_lag), so the step another copy runs inside a
+norm-step's window is a GEMM step, not the same short norm step (in lockstep every second collective had only a
+norm to hide behind).
 
 Backward needs no scheduler: eager autograd runs ready nodes in reverse creation order, so the interleaved forward
 gives an interleaved backward. Each wait node's backward starts the transposed collective (reduce-scatter of the

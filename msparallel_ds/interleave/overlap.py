@@ -1,12 +1,15 @@
 """Async collectives for the multi-copy / fine-grain interleave: one collective in flight between issue and wait.
 
 `AsyncCollective(kind, group, dim)` is one collective of one copy, in flight between `issue(x, link)` and
-`wait(token, link)` (or `wait_linears`, which also runs the colwise GEMMs that consume the result). Forward: issue
-starts the collective (async_op=True) and returns a 0-size token that only links the two autograd nodes; wait
-finishes it and returns the result. Backward swaps the roles: wait's backward starts the transposed collective on
-the grad, issue's backward waits for it, so eager autograd's reverse-creation order keeps another copy's backward
-between the two. wait_linears' backward starts the input-grad collective right after the dgrad GEMM and runs the
-wgrad GEMMs while it is in flight (Megatron's async grad all-reduce / reduce-scatter).
+`wait(token, link)` (or `wait_linears`, which also runs the colwise GEMMs that consume the result). An
+all-gather issued with the GEMMs it feeds (`issue(x, link, linears=(weights, biases))`) multiplies this rank's
+own rows at once, while the other ranks' rows are in flight, and the rest after the wait (the local-first split
+of Megatron's and torch's async TP): the copy's own GEMM widens its collective's window, not only other copies'
+steps. Forward: issue starts the collective (async_op=True) and returns a 0-size token that only links the two
+autograd nodes; wait finishes it and returns the result. Backward swaps the roles: wait's backward starts the
+transposed collective on the grad, issue's backward waits for it, so eager autograd's reverse-creation order keeps
+another copy's backward between the two. wait_linears' backward starts the input-grad collective right after the
+dgrad GEMM and runs the wgrad GEMMs while it is in flight (Megatron's async grad all-reduce / reduce-scatter).
 
 | kind           | forward              | backward (transpose) |
 |----------------|----------------------|----------------------|
@@ -77,6 +80,7 @@ class AsyncCollective:
         self.kind, self.group, self.dim, self.name = kind, group, dim, name or kind
         self.copy = instruments.active_copy() if copy is None else copy
         self._pending: Optional[tuple] = None
+        self._local: Optional[tuple] = None  # this rank's rows through the consuming GEMMs (local_linears)
 
     def start(self, x: Tensor, phase: str) -> None:
         kind = self.kind if phase == "fwd" else _TRANSPOSE[self.kind]
@@ -85,6 +89,27 @@ class AsyncCollective:
         self._pending = (work, finish, nbytes, t0, kind)
         if work is not None:
             instruments.async_started(f"{self.name}:{kind}", phase, self.copy)
+
+    def local_linears(self, x: Tensor, weights, biases) -> None:
+        """While this all-gather is in flight: F.linear(x, w, b) of this rank's own rows x, kept for
+        wait_linears (values only: its backward computes every grad from the gathered input)."""
+        if self.kind != "all_gather" or self._pending is None or self._pending[0] is None:
+            return
+        with torch.no_grad():
+            self._local = tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+        record("compute", f"{self.name}:gemm_local", "fwd", self.copy)
+
+    def linears(self, x: Tensor, weights, biases) -> tuple[Tensor, ...]:
+        """F.linear(x, w, b) for each weight, x the finished all-gather: the other ranks' rows only when this
+        rank's are in (local_linears), placed in their sequence order."""
+        local, self._local = self._local, None
+        if local is None:
+            return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+        dim = self.dim % x.dim()
+        me, s = dist.get_rank(self.group), local[0].shape[dim]
+        return tuple(torch.cat([loc if r == me else F.linear(x.narrow(dim, r * s, s), w, b)
+                                for r in range(_size(self.group))], dim)
+                     for loc, w, b in zip(local, weights, biases))
 
     def finish(self, phase: str) -> Tensor:
         work, finish, nbytes, t0, kind = self._pending
@@ -129,7 +154,7 @@ class _WaitLinears(torch.autograd.Function):
         x = link.finish("fwd")
         record("compute", f"{link.name}:gemm", "fwd", link.copy)
         ws, bs = wb[:n], wb[n:]
-        outs = tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
+        outs = link.linears(x, ws, bs)
         ctx.link, ctx.n, ctx.has_bias = link, n, tuple(b is not None for b in bs)
         ctx.save_for_backward(x, *ws)
         return outs
@@ -170,9 +195,13 @@ class _Mark(torch.autograd.Function):
         return grad, None, None
 
 
-def issue(x: Tensor, link: AsyncCollective) -> Tensor:
-    """Start link's collective on x; returns the token to pass to wait / wait_linears."""
-    return _Issue.apply(x, link)
+def issue(x: Tensor, link: AsyncCollective, linears: Optional[tuple] = None) -> Tensor:
+    """Start link's collective on x; returns the token to pass to wait / wait_linears. linears=(weights, biases):
+    the GEMMs the wait_linears will run; an all-gather's are run on this rank's rows now (local_linears)."""
+    token = _Issue.apply(x, link)
+    if linears is not None:
+        link.local_linears(x, *linears)
+    return token
 
 
 def wait(token: Tensor, link: AsyncCollective) -> Tensor:
