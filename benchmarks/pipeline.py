@@ -27,10 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import statistics
 import time
+
+from _ranks import run_ranks  # benchmarks/ is sys.path[0] when run as a script
 
 SCHEDULES = {  # name -> (pipeline_scheduler, virtual chunks)
     "gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved_1f1b_v2": ("1f1b", 2),
@@ -128,9 +129,8 @@ def _order_ideal(args, name: str):
     return table, table.makespan, table.bubble
 
 
-def _worker(rank, world, port, args, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+def _worker(rank, world, args):
+    """One rank (run by _ranks.run_ranks, which sets the env, reports and cleans up): its results per schedule."""
     import torch
     import torch.distributed as dist
 
@@ -169,8 +169,7 @@ def _worker(rank, world, port, args, out):
         results[name] = {"step_s": statistics.median(steps), "bubble": statistics.median(fractions),
                          "model_s": statistics.median(model), "outside_s": statistics.median(outside),
                          "busy_s": state["busy"], "events": state["events"], "last_step_s": dt}
-    out.put((rank, results))
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> None:
@@ -186,19 +185,10 @@ def main() -> None:
                     "to the theory (pipeline_<schedule>.png; needs matplotlib)")
     args = ap.parse_args()
 
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, args.pp, port, args, q)) for r in range(args.pp)]
-    for p in procs:
-        p.start()
-    per_rank = dict(q.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join()
+    ranks, failed, _ = run_ranks(_worker, args.pp, (args,), timeout=600, spawn=True, name="pipeline")
+    if failed:
+        raise SystemExit(f"benchmark rank failed: {failed['traceback']}")
+    per_rank = dict(enumerate(ranks))
     p_, m = args.pp, args.micro
     ideal = 2 * m * 3 * args.cost_ms / 1000  # 2 layers per rank x m micro-batches x (F + B + W)
     rows = []
