@@ -54,7 +54,6 @@ SPLIT = ("link_exposed_s", "blocked_s", "main_cpu_s", "main_descheduled_s", "oth
 VARIANTS = [("baseline", 0, 1), ("N=1", 1, 1), ("N=2", 2, 1), ("N=4", 4, 1), ("fine_grain=2", 1, 2)]
 
 
-
 def _config(a):
     return {
         "parallel_config": {"data_parallel": 1, "model_parallel": a.world, "context_parallel": 1, "pipeline_stage": 1,
