@@ -214,7 +214,7 @@ def _chunk_steps(run: list, shared_layers: list, h, j: int, lag: int):
         link = AsyncCollective(kinds.gather, kinds.group, SEQ_DIM, name=f"L{index}.qkv_in")
         token = issue(x, link, (shared.qkv_w, shared.qkv_b))  # with SP: this rank's rows' q/k/v now
         yield
-        shared.arrive(j, wait_linears(token, link, shared.qkv_w, shared.qkv_b))
+        shared.arrive(j, wait_linears(token, link))
         if shared.by_rows:
             yield  # so chunk 0, not the last to arrive, goes first across the barrier
         while not shared.ready():
@@ -234,7 +234,7 @@ def _chunk_steps(run: list, shared_layers: list, h, j: int, lag: int):
         link = AsyncCollective(kinds.gather, kinds.group, SEQ_DIM, name=f"L{index}.ffn_in")
         token = issue(x, link, (shared.gate_up_w, shared.gate_up_b))
         yield
-        gate, up = wait_linears(token, link, shared.gate_up_w, shared.gate_up_b)
+        gate, up = wait_linears(token, link)
         yield  # gate/up and act + down-proj are two steps, like the attention block
         y = F.linear(mark_compute(parts.act(gate) * up, f"L{index}.ffn"), parts.ffn_out.weight)
         link = AsyncCollective(kinds.reduce, kinds.group, SEQ_DIM, name=f"L{index}.ffn_out")

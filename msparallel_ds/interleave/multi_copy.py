@@ -6,7 +6,7 @@ steps (fine_grain.decoder_steps) and yields right after it has started a collect
 `round_robin` resumes the copies in turn, and a copy waits for its collective only when it resumes and needs the
 result. With SP, per layer and copy: [norm, all-gather, QKV of own rows] [wait, QKV of the others' rows,
 attention] [out-proj, reduce-scatter] [wait, residual, norm, all-gather, gate/up of own rows] [wait, gate/up of
-the others' rows] [act, down-proj, reduce-scatter] (overlap.local_linears: a gather's window holds the copy's own
+the others' rows] [act, down-proj, reduce-scatter] (overlap.set_linears: a gather's window holds the copy's own
 GEMM too). Copy c starts c % 3 steps behind copy 0 (copy_lag), so the step another copy runs inside a
 norm-step's window is a GEMM step, not the same short norm step (in lockstep every second collective had only a
 norm to hide behind).

@@ -1,15 +1,16 @@
 """Async collectives for the multi-copy / fine-grain interleave: one collective in flight between issue and wait.
 
 `AsyncCollective(kind, group, dim)` is one collective of one copy, in flight between `issue(x, link)` and
-`wait(token, link)` (or `wait_linears`, which also runs the colwise GEMMs that consume the result). An
-all-gather issued with the GEMMs it feeds (`issue(x, link, linears=(weights, biases))`) multiplies this rank's
-own rows at once, while the other ranks' rows are in flight, and the rest after the wait (the local-first split
-of Megatron's and torch's async TP): the copy's own GEMM widens its collective's window, not only other copies'
-steps. Forward: issue starts the collective (async_op=True) and returns a 0-size token that only links the two
-autograd nodes; wait finishes it and returns the result. Backward swaps the roles: wait's backward starts the
-transposed collective on the grad, issue's backward waits for it, so eager autograd's reverse-creation order keeps
-another copy's backward between the two. wait_linears' backward starts the input-grad collective right after the
-dgrad GEMM and runs the wgrad GEMMs while it is in flight (Megatron's async grad all-reduce / reduce-scatter).
+`wait(token, link)`, or between `issue(x, link, linears=(weights, biases))` and `wait_linears(token, link)`, which
+also runs those colwise GEMMs on the result. Such an all-gather multiplies this rank's own rows at once, while the
+other ranks' rows are in flight, and the rest after the wait (the local-first split of Megatron's and torch's
+async TP): the copy's own GEMM widens its collective's window, not only other copies' steps.
+
+Forward: issue starts the collective (async_op=True) and returns a 0-size token that only links the two autograd
+nodes; wait finishes it and returns the result. Backward swaps the roles: wait's backward starts the transposed
+collective on the grad, issue's backward waits for it, so eager autograd's reverse-creation order keeps another
+copy's backward between the two. wait_linears' backward starts the input-grad collective right after the dgrad
+GEMM and runs the wgrad GEMMs while it is in flight (Megatron's async grad all-reduce / reduce-scatter).
 
 | kind           | forward              | backward (transpose) |
 |----------------|----------------------|----------------------|
@@ -80,7 +81,8 @@ class AsyncCollective:
         self.kind, self.group, self.dim, self.name = kind, group, dim, name or kind
         self.copy = instruments.active_copy() if copy is None else copy
         self._pending: Optional[tuple] = None
-        self._local: Optional[tuple] = None  # this rank's rows through the consuming GEMMs (local_linears)
+        self._linears: Optional[tuple] = None  # (weights, biases) of the GEMMs that consume the result
+        self._local: Optional[tuple] = None  # this rank's rows through them (set_linears)
 
     def start(self, x: Tensor, phase: str) -> None:
         kind = self.kind if phase == "fwd" else _TRANSPOSE[self.kind]
@@ -90,18 +92,27 @@ class AsyncCollective:
         if work is not None:
             instruments.async_started(f"{self.name}:{kind}", phase, self.copy)
 
-    def local_linears(self, x: Tensor, weights, biases) -> None:
-        """While this all-gather is in flight: F.linear(x, w, b) of this rank's own rows x, kept for
-        wait_linears (values only: its backward computes every grad from the gathered input)."""
+    def set_linears(self, x: Tensor, weights, biases) -> None:
+        """The GEMMs wait_linears will run on the result. While an all-gather is in flight, F.linear(x, w, b) of
+        this rank's own rows x is run now (values only: wait_linears' backward computes every grad from the
+        gathered input)."""
+        self._linears = (tuple(weights), tuple(biases))
         if self.kind != "all_gather" or self._pending is None or self._pending[0] is None:
             return
         with torch.no_grad():
             self._local = tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
         record("compute", f"{self.name}:gemm_local", "fwd", self.copy)
 
+    def take_linears(self) -> tuple[tuple, tuple]:
+        """(weights, biases) given to set_linears, handed over once (to wait_linears)."""
+        if self._linears is None:
+            raise RuntimeError(f"wait_linears on {self.name}: issue it with linears=(weights, biases)")
+        wb, self._linears = self._linears, None
+        return wb
+
     def linears(self, x: Tensor, weights, biases) -> tuple[Tensor, ...]:
         """F.linear(x, w, b) for each weight, x the finished all-gather: the other ranks' rows only when this
-        rank's are in (local_linears), placed in their sequence order."""
+        rank's are in (set_linears), placed in their sequence order."""
         local, self._local = self._local, None
         if local is None:
             return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
@@ -196,11 +207,11 @@ class _Mark(torch.autograd.Function):
 
 
 def issue(x: Tensor, link: AsyncCollective, linears: Optional[tuple] = None) -> Tensor:
-    """Start link's collective on x; returns the token to pass to wait / wait_linears. linears=(weights, biases):
-    the GEMMs the wait_linears will run; an all-gather's are run on this rank's rows now (local_linears)."""
+    """Start link's collective on x; returns the token to pass to wait, or with linears=(weights, biases) (the
+    GEMMs to run on the result) to wait_linears; an all-gather's are run on this rank's rows now."""
     token = _Issue.apply(x, link)
     if linears is not None:
-        link.local_linears(x, *linears)
+        link.set_linears(x, *linears)
     return token
 
 
@@ -209,10 +220,10 @@ def wait(token: Tensor, link: AsyncCollective) -> Tensor:
     return _Wait.apply(token, link)
 
 
-def wait_linears(token: Tensor, link: AsyncCollective, weights, biases) -> tuple[Tensor, ...]:
-    """wait(token, link) followed by F.linear(result, w, b) for each weight, in one node whose backward overlaps
-    the input-grad collective with the weight-grad GEMMs."""
-    weights, biases = list(weights), list(biases)
+def wait_linears(token: Tensor, link: AsyncCollective) -> tuple[Tensor, ...]:
+    """wait(token, link) followed by F.linear(result, w, b) for each (w, b) the issue named, in one node whose
+    backward overlaps the input-grad collective with the weight-grad GEMMs."""
+    weights, biases = link.take_linears()
     return _WaitLinears.apply(token, link, len(weights), *weights, *biases)
 
 
