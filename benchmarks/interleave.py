@@ -8,11 +8,15 @@ world, use_seq_parallel), every variant on the same token ids and weights:
                 weight-grad GEMMs; nothing else to overlap with)
   N=2, N=4      micro_batch_interleave_num copies
   fine_grain=2  fine_grain_interleave with 2 token chunks, one copy
-Two links:
+Three links:
   real          gloo as is. On a CPU machine its threads share the cores with compute, so little can be hidden.
   modelled      every collective completes no earlier than alpha + bus_bytes / bandwidth after it started, by
-                sleeping (instruments.modelled_link): a link that costs no CPU, like a GPU's. Unless --bandwidth is
+                sleeping (instruments.modelled_link): a link whose time frees the core. Unless --bandwidth is
                 given it is calibrated so the baseline's modelled communication time equals its compute time.
+                gloo still moves the real bytes underneath, on the same cores as the compute.
+  cpu_free      the modelled link with collectives that move no bytes (_cpu_free.py: outputs filled from this
+                rank's own data, for timing only): the same schedule with none of gloo's CPU in the step, as on a
+                GPU whose copies run on their own engine. Not the row: it shows what of the row's gap is gloo's.
 Hidden fraction = (baseline step - variant step) / min(compute, comm), the baseline's compute being its step time
 without the modelled link minus the time it blocked in collectives, and comm the modelled (or, for the real link,
 the blocked) collective time per step. 1.0 = everything hideable was hidden; the speedup bound is 2x.
@@ -47,7 +51,8 @@ import threading
 import time
 from pathlib import Path
 
-from _ranks import run_ranks  # benchmarks/ is sys.path[0] when run as a script
+from _cpu_free import cpu_free_collectives  # benchmarks/ is sys.path[0] when run as a script
+from _ranks import run_ranks
 
 # per modelled step on rank 0: time blocked before / in all collectives, and the threads' times (_thread_times)
 SPLIT = ("link_exposed_s", "blocked_s", "main_cpu_s", "main_descheduled_s", "other_threads_cpu_s")
@@ -99,14 +104,21 @@ def _worker(rank, world, a):
 
     main_tid = threading.get_native_id()
 
-    def step(model, threads=None):
+    fake_calls = {}
+
+    def step(model, threads=None, cpu_free=False):
         """One forward + backward; the slowest rank's time. threads (a list): gets this rank's _thread_times
-        deltas over the step (None without schedstat) appended."""
+        deltas over the step (None without schedstat) appended. cpu_free: the step's collectives move no bytes
+        (_cpu_free.py); the barrier and the max over ranks stay real."""
         dist.barrier()
         s0 = _thread_times(main_tid) if threads is not None else None
         t0 = time.perf_counter()
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        with (cpu_free_collectives() if cpu_free else _null()) as calls:
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         t = torch.tensor([time.perf_counter() - t0])
+        if cpu_free:
+            for k, v in calls.items():
+                fake_calls[k] = fake_calls.get(k, 0) + v
         if threads is not None:
             s1 = _thread_times(main_tid)
             threads.append(None if s0 is None or s1 is None else [b - a for a, b in zip(s0, s1)])
@@ -114,14 +126,14 @@ def _worker(rank, world, a):
         model.zero_grad(set_to_none=True)
         return t.item()
 
-    def split_step(model):
+    def split_step(model, cpu_free):
         """step() under the modelled link: (time, *this rank's SPLIT values; None where schedstat is missing)."""
         threads = []
         with comm_stats() as st:
-            t = step(model, threads)
+            t = step(model, threads, cpu_free)
         return (t, st["link_exposed_s"], st["blocked_s"], *(threads[0] or (None,) * 3))
 
-    def timed(link, split):
+    def timed(link, split, cpu_free=False):
         """Per round, the median step time of each variant: {variant: [round medians]}; with a link, also this
         rank's medians of the SPLIT values into split {variant: {key: [round medians]}}."""
         times = {name: [] for name, _, _ in variants}
@@ -129,8 +141,9 @@ def _worker(rank, world, a):
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             for name, _, _ in order:
                 with (modelled_link(*link) if link else _null()):
-                    step(models[name])
-                    runs = [split_step(models[name]) if link else (step(models[name]),) for _ in range(a.steps)]
+                    step(models[name], cpu_free=cpu_free)
+                    runs = [split_step(models[name], cpu_free) if link else (step(models[name]),)
+                            for _ in range(a.steps)]
                 times[name].append(statistics.median(x[0] for x in runs))
                 if link:
                     for i, key in enumerate(SPLIT, 1):
@@ -174,12 +187,17 @@ def _worker(rank, world, a):
         forward(models["baseline"])
     comm_fwd_modelled = st["modelled_s"]
 
-    split = {}
+    split, split_free = {}, {}
     results = {"real": timed(None, split), "modelled": timed((alpha, bw), split)}
+    if a.cpu_free:
+        results["cpu_free"] = timed((alpha, bw), split_free, cpu_free=True)
+        if not fake_calls:
+            raise RuntimeError("cpu_free link: no collective of the step reached the patch")
     return {"compute_s": compute, "compute_fwd_s": compute_fwd, "blocked_real_s": t_blocked,
             "collectives_per_step": n_coll, "bus_bytes_per_step": nbytes, "alpha_s": alpha, "bandwidth_Bps": bw,
             "comm_modelled_s": comm_modelled, "comm_fwd_modelled_s": comm_fwd_modelled, "step_s": results,
-            "modelled_split_rank0": split} if rank == 0 else None
+            "modelled_split_rank0": split, "cpu_free_split_rank0": split_free, "cpu_free_calls": fake_calls} \
+        if rank == 0 else None
 
 
 def _thread_times(main_tid):
@@ -228,6 +246,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--variants", nargs="+", choices=[v[0] for v in VARIANTS[1:]], default=None,
                    help="run only these variants (and the baseline); default: all")
+    p.add_argument("--no-cpu-free", dest="cpu_free", action="store_false",
+                   help="skip the third link: modelled, with collectives that move no bytes (_cpu_free.py)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "interleave_cpu.json"))
     a = p.parse_args(argv)
 
@@ -238,6 +258,7 @@ def main(argv=None):
 
     hide_by = {"real": min(res["compute_s"], res["blocked_real_s"]),
                "modelled": min(res["compute_s"], res["comm_modelled_s"])}
+    hide_by["cpu_free"] = hide_by["modelled"]
     rows = []
     for link, times in res["step_s"].items():  # per-round ratios against the same round's baseline, then medians
         base = times["baseline"]
@@ -250,7 +271,8 @@ def main(argv=None):
             if link == "modelled":
                 real = res["step_s"]["real"][name]  # the variant's own real-link step as its modelled step
                 row["real_link_bound"] = statistics.median((b - x) / hide_by[link] for b, x in zip(base, real))
-                sp = res["modelled_split_rank0"][name]
+            if link != "real":
+                sp = res[f"{link}_split_rank0"][name]
                 exposed, blocked = statistics.median(sp["link_exposed_s"]), statistics.median(sp["blocked_s"])
                 row.update(link_exposed_s=exposed, gloo_late_s=blocked - exposed,
                            link_hidden=1 - exposed / hide_by[link],
@@ -270,8 +292,9 @@ def main(argv=None):
     for r in rows:
         line = (f"{r['link']:9} {r['variant']:13} {r['step_s'] * 1e3:8.1f} {r['speedup']:8.2f} "
                 f"{r['hidden_fraction'] * 100:6.0f}%")
-        if "real_link_bound" in r:
-            line += (f" | {r['real_link_bound'] * 100:14.0f}% {r['link_hidden'] * 100:10.0f}% "
+        if "link_hidden" in r:
+            bound = f"{r['real_link_bound'] * 100:14.0f}%" if "real_link_bound" in r else f"{'-':>15}"
+            line += (f" | {bound} {r['link_hidden'] * 100:10.0f}% "
                      f"{r['link_exposed_s'] * 1e3:10.1f} {r['gloo_late_s'] * 1e3:12.1f} {r['other_s'] * 1e3:9.1f}")
             if "main_cpu_s" in r:
                 line += (f" | {r['main_cpu_s'] * 1e3:11.1f} {r['main_descheduled_s'] * 1e3:16.1f} "
