@@ -12,6 +12,7 @@ Counts the faked calls, so the caller can check that the patch reached the colle
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -66,9 +67,10 @@ _FAKES = {"all_gather_single": _gather_single, "all_gather_into_tensor": _gather
 
 
 @contextlib.contextmanager
-def cpu_free_collectives():
-    """Patch torch.distributed's collectives (the library looks them up per call); yields a dict {name: calls}."""
-    calls = {}
+def cpu_free_collectives(calls: Optional[dict] = None):
+    """Patch torch.distributed's collectives (the library looks them up per call); yields `calls` (a new dict if
+    None) with each faked call counted into it, {name: calls}, so one dict can add up several steps."""
+    calls = {} if calls is None else calls
     saved = {name: getattr(dist, name) for name in _FAKES if hasattr(dist, name)}
 
     def counted(name, fake):
