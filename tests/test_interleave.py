@@ -21,7 +21,10 @@ LAYOUTS = {  # name -> (tiny_config kwargs, [(micro_batch_interleave_num, fine_g
     "tp2xcp2_ring_sp": (dict(tp=2, cp=2, ring=True, sp=True), [(1, 1), (2, 1), (4, 1), (1, 2)]),
     "fine_grain_dp2xtp2_sp": (dict(dp=2, tp=2, sp=True), [(1, 1), (1, 2), (1, 4), (2, 2)]),
     # layers 0-1 recomputed: they run whole (their own SP split and blocking collectives), layers 2-3 interleave
+    # (with 2 chunks in the chunk layout, entered and left by an all-to-all)
     "dp2xtp2_sp_recompute2": (dict(dp=2, tp=2, sp=True, recompute=[2]), [(1, 1), (2, 1), (1, 2)]),
+    # layers 0-2 recomputed: layer 3 alone interleaves its chunks behind the attention's barrier (rank layout)
+    "dp2xtp2_sp_recompute3": (dict(dp=2, tp=2, sp=True, recompute=[3]), [(1, 1), (1, 2)]),
     # tp = 1: nothing to overlap, the copies run whole layers one after the other (same math)
     "dp2xcp2_ulysses_tp1": (dict(dp=2, cp=2, algo="ulysses_cp"), [(1, 1), (2, 1), (4, 1)]),
 }

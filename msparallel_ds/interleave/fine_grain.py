@@ -12,29 +12,31 @@ collective (overlap.issue) and then yields; the scheduler (schedule.round_robin)
 the chunk waits for its result only when it resumes:
 
     A  wait(prev layer's FFN reduce) + residual, norm, issue gather (+ q/k/v GEMMs of this rank's own rows with
-       SP) -> yield -> wait + the other rows' q/k/v GEMMs (wait_linears) -> yield; the attention's barrier: wait
-       (yielding) until every chunk's q/k/v is in
-    B  attention -> out-proj, issue reduce -> yield -> wait + residual, norm, issue gather (+ own rows' gate/up)
-       -> yield -> wait + gate/up GEMMs -> yield -> act, down-proj, issue reduce -> yield; the result is waited
-       at the next A
+       SP) -> yield -> wait + the other rows' q/k/v GEMMs (wait_linears); wait (yielding) until the q/k/v the
+       attention needs are in
+    B  attention -> yield -> out-proj, issue reduce -> yield -> wait + residual, norm, issue gather (+ own rows'
+       gate/up) -> yield -> wait + gate/up GEMMs -> yield -> act, down-proj, issue reduce -> yield; the result is
+       waited at the next A
 The yields without a collective split each GEMM block in two, so every collective of another copy has a GEMM
 step (not only a norm) between its issue and its wait.
 
-The attention: a query of any chunk needs keys of every chunk (with SP, gathered chunk j holds every tp rank's
-j-th slice), hence the barrier. With causal sdpa/eager attention and N > 1 each chunk then runs only its own
-query rows, each block of rows against the keys up to it (LayerParts.attend(rows)): the same math and, for causal
-attention, about the work of one whole call. Odd chunks run their attention and out-proj as two steps, so the
-chunks run a step apart: the step inside each chunk's reduce-scatter / gather window is another chunk's GEMM
-or attention, not its own short norm step (in lockstep two of every four collectives had only a norm to hide
-behind). Across the barrier the even chunk goes first; the lagging chunk's last gather before the barrier is
-the one collective per layer with nothing to hide behind. With cp backends (whole sequences only) the first
-chunk through runs the whole attention and every chunk takes its part.
-
 Collectives: with sequence parallel the gather is an all-gather and the reduce a reduce-scatter along the sequence
 (backward: the transposes); without it the gather is Megatron's f (identity, all-reduce of the input grad) and the
-reduce an all-reduce. With SP a chunk is 1/N of this rank's sequence slice, so the gathered chunk j holds every tp
-rank's chunk j: q/k/v are permuted back to sequence order before attention and the attention output permuted
-to chunk order after it (a copy each; RoPE, masks and cp attention see the true order).
+reduce an all-reduce.
+
+The attention, with SP and several chunks, depends on where the chunks' tokens live (chunk_layout.py):
+- chunk layout (causal sdpa/eager attention, a run that starts at the model's layer 0 or has >= 2 layers):
+  gathered chunk j is the causal prefix block j of the sequence. Its heads (RoPE of its rows) are made when it
+  arrives and its queries attend to the keys of chunks 0..j, in before it. Chunk j starts j % 3 steps behind
+  chunk 0, like the copies, and each runs its attention and out-proj as two steps, so the windows are the
+  copies' (forward and backward: no chunk waits for a later one). The run enters this layout at layer 0's
+  scatter for free, elsewhere by an all-to-all, and leaves it by one.
+- rank layout (otherwise): gathered chunk j holds every tp rank's j-th slice, so a query of any chunk needs keys
+  of every chunk: a barrier. q/k/v are permuted to sequence order before the attention and its output back to
+  chunk order (a copy each). With causal sdpa/eager each chunk then runs only its own query rows, each block
+  against the keys up to it (LayerParts.attend(rows)), odd chunks a step behind even ones; the lagging chunk's
+  last gather before the barrier is the one collective per layer with nothing to hide behind. With cp backends
+  (whole sequences only) the first chunk through runs the whole attention and every chunk takes its part.
 
 Layers that cannot be decomposed run whole as one step (HF forward, blocking collectives): tp = 1 (no tp
 collective to overlap), a recomputed or activation-offloaded layer or submodule (both wrap the module's forward),
@@ -52,13 +54,12 @@ from torch import Tensor, nn
 from ..models import LayerParts
 from ..tensor_parallel.layers import ReplicatedKVLinear, RowParallelLinear
 from ..tensor_parallel.mappings import copy_to_region
+from . import chunk_layout
+from .chunk_layout import SEQ_DIM, join_chunks, split_chunks
 from .overlap import AsyncCollective, issue, mark_compute, wait, wait_linears
 from .schedule import round_robin
 
 __all__ = ["decoder_steps", "decomposable", "split_chunks", "join_chunks", "Pending", "SEQ_DIM"]
-
-SEQ_DIM = 1  # HF hidden states are [batch, seq, hidden]
-
 
 # ---------------------------------------------------------------------------------------------- the layer's parts
 def decomposable(layer: nn.Module, parts: Optional[LayerParts]) -> bool:
@@ -112,22 +113,6 @@ def resolve(h) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- chunks
-def split_chunks(h: Tensor, n: int) -> list[Tensor]:
-    """n chunks of this rank's (sequence-parallel slice of the) sequence."""
-    if n == 1:
-        return [h]
-    if h.shape[SEQ_DIM] % n:
-        raise ValueError(f"fine_grain_interleave={n}: this rank's sequence length {h.shape[SEQ_DIM]} (after the "
-                         f"sequence-parallel / cp split) is not divisible by {n}; use a seq_length that is a multiple "
-                         f"of {n} x model_parallel x context_parallel (x2 for a causal ring), or "
-                         "fine_grain_interleave: 1")
-    return list(h.chunk(n, SEQ_DIM))
-
-
-def join_chunks(chunks: list[Tensor]) -> Tensor:
-    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, SEQ_DIM)
-
-
 def _to_sequence_order(chunks: list[Tensor], tp: int) -> Tensor:
     """Gathered chunks [b, tp*s_c, f] (chunk j = every tp rank's chunk j) -> [b, S, f] in sequence order."""
     x = torch.cat(chunks, SEQ_DIM)
@@ -157,32 +142,54 @@ def _chunk_rows(j: int, n: int, tp: int, seq: int) -> list[tuple[int, int]]:
 
 class _SharedLayer:
     """What the chunks of one copy share in one layer: its collective kinds, its column-side (weight, bias) pairs
-    (derived once, not per chunk), and its attention, which is their barrier: a chunk's queries need keys of every
-    chunk (with SP, gathered chunk j holds every tp rank's j-th slice, so even causal attention reaches into the
-    later chunks). Once every chunk's q/k/v is in, each chunk runs its own query rows against the keys they see
-    (row blocks: causal attention, no cp), so chunks keep running one after the other across the barrier; else
-    the first chunk through runs the whole sequence's attention (cp backends) and every chunk takes its part."""
+    (derived once, not per chunk), and its attention.
 
-    def __init__(self, parts: LayerParts, n: int, kw: dict, index: int):
-        self.parts, self.n, self.kw, self.index = parts, n, kw, index
+    In the rank layout (chunk_layout.py) the attention is the chunks' barrier: a chunk's queries need keys of every
+    chunk (gathered chunk j holds every tp rank's j-th slice, so even causal attention reaches into the later
+    chunks). Once every chunk's q/k/v is in, each chunk runs its own query rows against the keys they see (row
+    blocks: causal attention, no cp), so chunks keep running one after the other across the barrier; else the
+    first chunk through runs the whole sequence's attention (cp backends) and every chunk takes its part.
+    In the chunk layout (`chunked`) gathered chunk j is the causal prefix block j: its heads are made (RoPE of its
+    own rows) when it arrives, and its queries attend to the keys of chunks 0..j, which arrived before it."""
+
+    def __init__(self, parts: LayerParts, n: int, kw: dict, index: int, chunked: bool = False):
+        self.parts, self.n, self.kw, self.index, self.chunked = parts, n, kw, index, chunked
         self.kinds = _Kinds(parts.attn_out)  # the layer's collectives, for every chunk
         self.qkv_w, self.qkv_b = zip(*(_col_weights(m) for m in parts.qkv))
         self.gate_up_w, self.gate_up_b = zip(*(_col_weights(m) for m in parts.ffn_in))
         self.order_tp = self.kinds.tp if self.kinds.sp else 1
         self.by_rows = n > 1 and parts.row_blocks()
-        self.qkv: Optional[list] = [None] * n  # dropped once the heads are made
+        self.qkv: Optional[list] = [None] * n  # rank layout: dropped once the heads are made; chunk layout: heads
         self.arrived = 0
         self.heads = self.outs = None
 
     def arrive(self, j: int, qkv) -> None:
+        if self.chunked:
+            a, b = self._rows(j, qkv[0])
+            kw = self.kw
+            if "position_embeddings" in kw:  # RoPE of this chunk's rows
+                kw = {**kw, "position_embeddings": tuple(t.narrow(SEQ_DIM, a, b - a)
+                                                         for t in kw["position_embeddings"])}
+            qkv = self.parts.heads(*qkv, kw)
         self.qkv[j] = qkv
         self.arrived += 1
 
-    def ready(self) -> bool:
-        return self.arrived == self.n
+    def ready(self, j: int) -> bool:
+        """Whether chunk j's attention can run: every chunk is in (rank layout), chunks 0..j (chunk layout)."""
+        return all(c is not None for c in self.qkv[:j + 1]) if self.chunked else self.arrived == self.n
+
+    def _rows(self, j: int, x: Tensor) -> tuple[int, int]:
+        """Chunk layout: the sequence rows of gathered chunk j ([b, s, f] or heads [b, h, s, d])."""
+        size = x.shape[SEQ_DIM if x.dim() == 3 else 2]
+        return j * size, (j + 1) * size
 
     def output(self, j: int) -> tuple[Tensor, bool]:
         """(chunk j's attention output [b, tp*s_c, h*d] in chunk order, whether this call ran the whole attention)."""
+        if self.chunked:
+            q = self.qkv[j][0]
+            k, v = (c[0] if j == 0 else torch.cat(c, 2) for c in zip(*(h[1:] for h in self.qkv[:j + 1])))
+            o = self.parts.attend(q, k, v, self.kw, self._rows(j, q))
+            return mark_compute(o, f"L{self.index}.attention"), False
         if self.heads is None:
             self.heads = self.parts.heads(*(_to_sequence_order([c[i] for c in self.qkv], self.order_tp)
                                             for i in range(3)), self.kw)
@@ -215,15 +222,16 @@ def _chunk_steps(run: list, shared_layers: list, h, j: int, lag: int):
         token = issue(x, link, (shared.qkv_w, shared.qkv_b))  # with SP: this rank's rows' q/k/v now
         yield
         shared.arrive(j, wait_linears(token, link))
-        if shared.by_rows:
+        barrier = shared.by_rows and not shared.chunked
+        if barrier:
             yield  # so chunk 0, not the last to arrive, goes first across the barrier
-        while not shared.ready():
+        while not shared.ready(j):
             yield
         o, ran_whole = shared.output(j)
-        if ran_whole or (shared.by_rows and j % 2):
-            # attention and out-proj are two steps here: in row blocks, odd chunks run a step behind even ones, so
-            # the step inside each reduce-scatter's or gather's window is another chunk's GEMM or attention block,
-            # not the same short norm step (lockstep)
+        if ran_whole or shared.chunked or (barrier and j % 2):
+            # attention and out-proj are two steps here (as at one chunk): behind the barrier, odd chunks run a step
+            # behind even ones, so the step inside each reduce-scatter's or gather's window is another chunk's GEMM
+            # or attention block, not the same short norm step (lockstep)
             yield
         y = mark_compute(F.linear(o, parts.attn_out.weight), f"L{index}.attn_out")
         link = AsyncCollective(kinds.reduce, kinds.group, SEQ_DIM, name=f"L{index}.attn_out")
@@ -243,24 +251,39 @@ def _chunk_steps(run: list, shared_layers: list, h, j: int, lag: int):
     return h
 
 
-def decoder_steps(layers: list, hs: list, kw: dict[str, Any], *, copy: Any = 0, lag: int = 0):
-    """Generator: the chunks `hs` (tensors or Pending) of one copy through `layers` ((index, layer, parts) each,
-    parts: the family adapter's LayerParts); yields after every collective it starts (and between GEMM blocks);
-    returns the chunks' outputs. Consecutive decomposable layers run as one chunk generator each, round-robin, so
-    the chunks stay a step apart across layers; others run whole as one step. `kw`: the HF layer kwargs for
-    this copy (position_embeddings, attention_mask, position_ids, ...). lag: extra yields before the first gather
-    (multi_copy.copy_lag)."""
-    n, i = len(hs), 0
-    ids = [copy if n == 1 else (copy, j) for j in range(n)]
+def decoder_steps(layers: list, h: Tensor, kw: dict[str, Any], *, n: int = 1, copy: Any = 0, lag: int = 0,
+                  scatter_group=None):
+    """Generator: one copy's hidden state h through `layers` ((index, layer, parts) each, parts: the family
+    adapter's LayerParts) in n chunks; yields after every collective it starts (and between GEMM blocks); returns
+    the chunks' outputs in the rank layout (tensors or Pending). Consecutive decomposable layers run as one chunk
+    generator each, round-robin, so the chunks stay a step apart across layers, in the chunk layout where
+    chunk_layout.wanted; others run whole as one step. `kw`: the HF layer kwargs for this copy
+    (position_embeddings, attention_mask, position_ids, ...). lag: extra yields before the first gather
+    (multi_copy.copy_lag). scatter_group: the tp group when layers[0] is the model's layer 0 under SP (h is then
+    the whole sequence; the scatter its pre-hook would do is done here)."""
+    hs: Optional[list] = None  # the chunks; None while the hidden state is the whole tensor h
+    i = 0
     while i < len(layers):
         index, layer, parts = layers[i]
         if not decomposable(layer, parts):
-            out = layer(join_chunks([resolve(h) for h in hs]), **kw)  # its own pre-hooks and blocking collectives
-            hs, lag, i = split_chunks(mark_compute(out, f"L{index}.whole"), n), 0, i + 1
+            out = layer(h if hs is None else join_chunks([resolve(x) for x in hs]), **kw)  # its own hooks
+            h, hs, lag, i = mark_compute(out, f"L{index}.whole"), None, 0, i + 1
             continue
         end = next((e for e in range(i, len(layers)) if not decomposable(*layers[e][1:])), len(layers))
         run = layers[i:end]
-        shared = [_SharedLayer(p, n, kw, idx) for idx, _, p in run]
-        hs = yield from round_robin([_chunk_steps(run, shared, hs[j], j, lag) for j in range(n)], ids)
+        scatter = i == 0 and scatter_group is not None
+        kinds = _Kinds(parts.attn_out)
+        chunked = chunk_layout.wanted(n, kinds.tp, kinds.sp, all(p.row_blocks() for _, _, p in run), len(run),
+                                      free_entry=scatter and hs is None)
+        if hs is None:
+            hs = chunk_layout.enter(h, n, scatter_group if scatter else kinds.group, scatter=scatter, chunked=chunked)
+        elif chunked:
+            hs = chunk_layout.to_chunk_layout([resolve(x) for x in hs], kinds.group)
+        shared = [_SharedLayer(p, n, kw, idx, chunked) for idx, _, p in run]
+        ids = [copy if n == 1 else (copy, j) for j in range(n)]
+        hs = yield from round_robin([_chunk_steps(run, shared, hs[j], j, lag + (j % 3 if chunked else 0))
+                                      for j in range(n)], ids)
+        if chunked:
+            hs = chunk_layout.to_rank_layout([resolve(x) for x in hs], kinds.group)
         lag, i = 0, end
-    return hs
+    return [h] if hs is None else hs

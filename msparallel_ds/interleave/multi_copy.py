@@ -50,8 +50,7 @@ from torch import Tensor, nn
 
 from ..models import LayerParts, adapter_for
 from ..tensor_parallel.layers import RowParallelLinear
-from ..tensor_parallel.mappings import scatter_to_region
-from .fine_grain import SEQ_DIM, decoder_steps, decomposable, join_chunks, resolve, split_chunks
+from .fine_grain import decoder_steps, decomposable, join_chunks, resolve
 from .schedule import round_robin, run
 
 __all__ = ["COPY_LOSS_MODES", "InterleavedStack", "check_copy_loss", "copy_loss_terms", "install", "installed",
@@ -70,10 +69,9 @@ def copy_steps(layers: Sequence[tuple[int, nn.Module, Optional[LayerParts]]], h:
                fine_grain: int = 1, scatter_group=None):
     """Generator: one copy through `layers` ((index, layer, parts) each); yields after each collective it starts;
     returns its hidden state. scatter_group: the tp group when the first layer is the model's layer 0 under SP."""
-    if layers and scatter_group is not None and decomposable(layers[0][1], layers[0][2]):
-        h = scatter_to_region(h, scatter_group, SEQ_DIM)  # what that layer's own pre-hook would do (bypassed here)
-    hs = split_chunks(h, fine_grain) if len(layers) else [h]
-    hs = yield from decoder_steps(list(layers), hs, kw, copy=copy, lag=copy_lag(copy))
+    scatter = scatter_group if layers and decomposable(layers[0][1], layers[0][2]) else None
+    hs = yield from decoder_steps(list(layers), h, kw, n=fine_grain, copy=copy, lag=copy_lag(copy),
+                                  scatter_group=scatter)
     return join_chunks([resolve(h) for h in hs])
 
 

@@ -28,7 +28,8 @@ class LayerParts:
     residual -> norm -> gate/up -> act -> down -> residual. Between the projections: `heads(q, k, v,
     layer_kwargs)` ([b, s, h*d] -> [b, h, s, d]: q/k norm, RoPE), then `attend(q, k, v, layer_kwargs, rows=None)`
     (-> [b, s, h*d]); rows=(a, b) runs query rows a..b-1 against keys 0..b-1 only, which the model's attention
-    function allows when `row_blocks()` (causal, no cp)."""
+    function allows when `row_blocks()` (causal, no cp); q then holds the whole sequence or only those rows, and
+    `heads` may be given a block of rows with layer_kwargs' position_embeddings cut to it."""
 
     input_norm: nn.Module
     qkv: tuple[nn.Module, nn.Module, nn.Module]

@@ -234,7 +234,8 @@ def _block_mask(mask: Optional[Tensor], rows: tuple[int, int], q: Tensor, impl: 
 def _attend(attn: nn.Module, q: Tensor, k: Tensor, v: Tensor, kw: dict,
             rows: Optional[tuple[int, int]] = None) -> Tensor:
     """The model's attention function (eager / sdpa / our cp backend) on [b, h, s, d] q/k/v -> [b, s, h*d].
-    rows=(a, b) (only if _row_blocks): query rows a..b-1 against the keys 0..b-1 they can see."""
+    rows=(a, b) (only if _row_blocks): query rows a..b-1 against the keys 0..b-1 they can see; q holds the whole
+    sequence or those rows only (fine-grain chunks in the chunk layout)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     impl = attn.config._attn_implementation
@@ -242,7 +243,9 @@ def _attend(attn: nn.Module, q: Tensor, k: Tensor, v: Tensor, kw: dict,
     mask = kw.get("attention_mask")
     if rows is not None:
         mask = _block_mask(mask, rows, q, impl)
-        q, k, v = q[:, :, rows[0]:rows[1]], k[:, :, :rows[1]], v[:, :, :rows[1]]
+        if q.shape[2] != rows[1] - rows[0]:
+            q = q[:, :, rows[0]:rows[1]]
+        k, v = k[:, :, :rows[1]], v[:, :, :rows[1]]
     extra = {k_: v_ for k_, v_ in kw.items() if k_ not in ("position_embeddings", "attention_mask", "use_cache",
                                                            "past_key_values", "cache_position")}
     window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
