@@ -44,8 +44,9 @@ def _cases(rank, world_size):
             assert all(torch.equal(h, c) for h, c in zip(hs, chunk_of)), (name, n)
             sum((h * g).sum() for h, g in zip(hs, grads)).backward()
             every = [all_gather_along(g, group, 0) for g in grads]  # [tp * 2, BLOCK, 5]: every rank's grads
-            want = torch.cat([every[j].unflatten(0, (tp, 2))[q] for j in range(n) for q in range(tp)], 1)
-            assert torch.equal(x.grad, want), (name, n, "scatter grad")
+            # the whole sequence's grad: block j*tp + q holds rank q's grad of its chunk j
+            g_full = torch.cat([every[j].unflatten(0, (tp, 2))[q] for j in range(n) for q in range(tp)], 1)
+            assert torch.equal(x.grad, g_full), (name, n, "scatter grad")
 
             # the gathered chunk j is the contiguous rows [j*S/n, (j+1)*S/n): a causal prefix block
             for j in range(n):
@@ -59,7 +60,6 @@ def _cases(rank, world_size):
             assert all(torch.equal(b, c) for b, c in zip(back, rank_of)), (name, n, "to ranks")
             sum((m * g).sum() for m, g in zip(moved, grads)).backward()
             # the grad of a rank-layout chunk is the grad its blocks got in the chunk layout
-            g_full = torch.cat([every[j].unflatten(0, (tp, 2))[q] for j in range(n) for q in range(tp)], 1)
             want = g_full.chunk(tp, 1)[r].chunk(n, 1)
             assert all(torch.equal(a.grad, w) for a, w in zip(x, want)), (name, n, "move grad")
             checked.append((name, n))

@@ -152,8 +152,9 @@ class _SharedLayer:
     In the chunk layout (`chunked`) gathered chunk j is the causal prefix block j: its heads are made (RoPE of its
     own rows) when it arrives, and its queries attend to the keys of chunks 0..j, which arrived before it."""
 
-    def __init__(self, parts: LayerParts, n: int, kw: dict, index: int, chunked: bool = False):
-        self.parts, self.n, self.kw, self.index, self.chunked = parts, n, kw, index, chunked
+    def __init__(self, parts: LayerParts, n: int, kw: dict, index: int):
+        self.parts, self.n, self.kw, self.index = parts, n, kw, index
+        self.chunked = False  # set by decoder_steps for the whole run (chunk_layout.wanted)
         self.kinds = _Kinds(parts.attn_out)  # the layer's collectives, for every chunk
         self.qkv_w, self.qkv_b = zip(*(_col_weights(m) for m in parts.qkv))
         self.gate_up_w, self.gate_up_b = zip(*(_col_weights(m) for m in parts.ffn_in))
@@ -260,9 +261,10 @@ def decoder_steps(layers: list, h: Tensor, kw: dict[str, Any], *, n: int = 1, co
     chunk_layout.wanted; others run whole as one step. `kw`: the HF layer kwargs for this copy
     (position_embeddings, attention_mask, position_ids, ...). lag: extra yields before the first gather
     (multi_copy.copy_lag). scatter_group: the tp group when layers[0] is the model's layer 0 under SP (h is then
-    the whole sequence; the scatter its pre-hook would do is done here)."""
+    the whole sequence); if that layer is decomposable the scatter its pre-hook would do is done here, else the
+    layer runs whole with its own pre-hook."""
     hs: Optional[list] = None  # the chunks; None while the hidden state is the whole tensor h
-    i = 0
+    ids, i = [copy if n == 1 else (copy, j) for j in range(n)], 0
     while i < len(layers):
         index, layer, parts = layers[i]
         if not decomposable(layer, parts):
@@ -271,16 +273,16 @@ def decoder_steps(layers: list, h: Tensor, kw: dict[str, Any], *, n: int = 1, co
             continue
         end = next((e for e in range(i, len(layers)) if not decomposable(*layers[e][1:])), len(layers))
         run = layers[i:end]
-        scatter = i == 0 and scatter_group is not None
-        kinds = _Kinds(parts.attn_out)
-        chunked = chunk_layout.wanted(n, kinds.tp, kinds.sp, all(p.row_blocks() for _, _, p in run), len(run),
-                                      free_entry=scatter and hs is None)
+        shared = [_SharedLayer(p, n, kw, idx) for idx, _, p in run]
+        kinds, scatter = shared[0].kinds, i == 0 and scatter_group is not None
+        chunked = chunk_layout.wanted(n, kinds.tp, kinds.sp, all(s.by_rows for s in shared), len(run),
+                                      free_entry=scatter)
+        for s in shared:
+            s.chunked = chunked
         if hs is None:
-            hs = chunk_layout.enter(h, n, scatter_group if scatter else kinds.group, scatter=scatter, chunked=chunked)
+            hs = chunk_layout.enter(h, n, kinds.group, scatter=scatter, chunked=chunked)
         elif chunked:
             hs = chunk_layout.to_chunk_layout([resolve(x) for x in hs], kinds.group)
-        shared = [_SharedLayer(p, n, kw, idx, chunked) for idx, _, p in run]
-        ids = [copy if n == 1 else (copy, j) for j in range(n)]
         hs = yield from round_robin([_chunk_steps(run, shared, hs[j], j, lag + (j % 3 if chunked else 0))
                                       for j in range(n)], ids)
         if chunked:

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from ..models import LayerParts, adapter_for
 from ..tensor_parallel.layers import RowParallelLinear
-from .fine_grain import decoder_steps, decomposable, join_chunks, resolve
+from .fine_grain import decoder_steps, join_chunks, resolve
 from .schedule import round_robin, run
 
 __all__ = ["COPY_LOSS_MODES", "InterleavedStack", "check_copy_loss", "copy_loss_terms", "install", "installed",
@@ -69,9 +69,8 @@ def copy_steps(layers: Sequence[tuple[int, nn.Module, Optional[LayerParts]]], h:
                fine_grain: int = 1, scatter_group=None):
     """Generator: one copy through `layers` ((index, layer, parts) each); yields after each collective it starts;
     returns its hidden state. scatter_group: the tp group when the first layer is the model's layer 0 under SP."""
-    scatter = scatter_group if layers and decomposable(layers[0][1], layers[0][2]) else None
     hs = yield from decoder_steps(list(layers), h, kw, n=fine_grain, copy=copy, lag=copy_lag(copy),
-                                  scatter_group=scatter)
+                                  scatter_group=scatter_group)
     return join_chunks([resolve(h) for h in hs])
 
 
