@@ -17,7 +17,7 @@ TOL = 1e-4
 
 LAYOUTS = {  # name -> (tiny_config kwargs, [(micro_batch_interleave_num, fine_grain_interleave), ...])
     "dp2xtp2_sp": (dict(dp=2, tp=2, sp=True), [(1, 1), (1, 0), (2, 1), (4, 1)]),
-    "tp4_sp_vocab_kv_replicated": (dict(tp=4, sp=True, vocab_dp=False), [(1, 1), (2, 1), (4, 1)]),
+    "tp4_sp_vocab_kv_replicated": (dict(tp=4, sp=True, vocab_dp=False), [(1, 1), (2, 1), (4, 1), (1, 2)]),
     "tp2xcp2_ring_sp": (dict(tp=2, cp=2, ring=True, sp=True), [(1, 1), (2, 1), (4, 1), (1, 2)]),
     "fine_grain_dp2xtp2_sp": (dict(dp=2, tp=2, sp=True), [(1, 1), (1, 2), (1, 4), (2, 2)]),
     # layers 0-1 recomputed: they run whole (their own SP split and blocking collectives), layers 2-3 interleave
@@ -29,6 +29,8 @@ LAYOUTS = {  # name -> (tiny_config kwargs, [(micro_batch_interleave_num, fine_g
     "dp2xcp2_ulysses_tp1": (dict(dp=2, cp=2, algo="ulysses_cp"), [(1, 1), (2, 1), (4, 1)]),
 }
 # (1, 0): N = 1 forced through the interleave schedule (install(model, 1, 1)); (1, 1) is the plain model
+CHUNK_LAYOUT = {("fine_grain_dp2xtp2_sp", 1, 2), ("fine_grain_dp2xtp2_sp", 1, 4), ("fine_grain_dp2xtp2_sp", 2, 2),
+                ("dp2xtp2_sp_recompute2", 1, 2), ("tp4_sp_vocab_kv_replicated", 1, 2)}  # the runs that end in it
 
 
 def _rel(a, b) -> float:
@@ -70,9 +72,14 @@ def _share(engine, step):
 
 def _grads(engine, fgi):
     """Logits (this rank's shard) and every parameter's gradient for one micro-batch, loss = token mean, on a
-    model parallelized for the engine's layout (plain autograd: DeepSpeed's ZeRO hooks stay out of it)."""
+    model parallelized for the engine's layout (plain autograd: DeepSpeed's ZeRO hooks stay out of it); the base
+    model's output called on its own (sequence parallel's rank layout: no head to reorder it); and how many times
+    the causal LM's forward moved chunks back to the rank layout (0: the head reorders the chunk layout)."""
+    import torch
+
     import msparallel_ds as msp
     from msparallel_ds.context_parallel.batch import inputs_and_targets
+    from msparallel_ds.interleave import chunk_layout
 
     model = msp.parallelize(tiny_model(), engine.layout)
     if fgi == 0:
@@ -80,9 +87,18 @@ def _grads(engine, fgi):
 
         install(model, 1, 1)
     inputs, targets = inputs_and_targets(engine._micro(_share(engine, 99), slice(None)), engine.layout)
-    logits = model(**inputs, use_cache=False).logits
-    (engine._token_loss_sum(logits, targets) / targets.numel()).backward()
-    return logits.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+    moves, to_rank = [], chunk_layout.to_rank_layout
+    chunk_layout.to_rank_layout = lambda *a: moves.append(1) or to_rank(*a)
+    try:
+        logits = model(**inputs, use_cache=False).logits
+        (engine._token_loss_sum(logits, targets) / targets.numel()).backward()
+        moved_out = len(moves)
+        with torch.no_grad():
+            hidden = model.model(**{k: v for k, v in inputs.items() if k != "labels"}, use_cache=False)
+    finally:
+        chunk_layout.to_rank_layout = to_rank
+    return logits.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters()}, \
+        hidden.last_hidden_state, (moved_out, len(moves) - moved_out)
 
 
 def _run(rank, world_size, references):
@@ -98,15 +114,17 @@ def _run_layout(name, ref_losses, ref_state):
     for mbi, fgi in variants:
         engine = _engine(yaml, mbi, fgi)
         interleave = installed(engine.model)
-        logits, grads = _grads(engine, fgi)
+        logits, grads, hidden, moves = _grads(engine, fgi)
         if base is None:
-            base = (logits, grads)
+            base = (logits, grads, hidden)
         losses = [engine.train_batch(_share(engine, s)).item() for s in range(STEPS)]
         state = engine.full_state_dict()
         out[(mbi, fgi)] = {
             "installed": interleave,
             "logits_rel": _rel(logits, base[0]),
             "grads_rel": max(_rel(g, base[1][k]) for k, g in grads.items()),
+            "base_model_rel": _rel(hidden, base[2]),
+            "moves_out": moves,  # (the causal LM's forward, the base model's own)
             "grads_nonzero": sum(int(g.abs().sum() > 0) for g in grads.values()) / len(grads),
             "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
             "weights": max((state[k] - v).abs().max().item() for k, v in ref_state.items()),
@@ -171,6 +189,9 @@ def test_interleave_matches_plain_and_single_process(name, results):
                                                           "copy_loss": "mean"}
             assert r["installed"] == expected, (name, mbi, fgi, r["installed"])
             assert r["logits_rel"] <= TOL and r["grads_rel"] <= TOL, (name, rank, mbi, fgi, r)
+            # in the chunk layout the head reorders the gathered chunks: only the base model alone moves them back
+            assert r["base_model_rel"] <= TOL, (name, rank, mbi, fgi, r)
+            assert r["moves_out"] == (0, mbi if (name, mbi, fgi) in CHUNK_LAYOUT else 0), (name, rank, mbi, fgi, r)
             assert r["grads_nonzero"] > 0.9, (name, rank, mbi, fgi, r)
             assert r["loss_rel"] <= TOL, (name, rank, mbi, fgi, r)
             assert r["weights"] <= 5e-5, (name, rank, mbi, fgi, r)

@@ -9,11 +9,13 @@ A copy's sequence is cut into tp*n equal blocks (n chunks on each of the tp rank
   a causal prefix block: its queries see the keys of chunks 0..j only, which are in already (the chunks run in
   order), and in backward its keys' grads come from chunks j..n-1, which run first. No barrier.
 
-Everything outside a run of decomposable layers (embedding, final norm and head, pipeline sends, layers run whole)
-sees the rank layout. Entering the chunk layout at the model's layer 0 is free (the whole sequence is on every rank
-before the scatter: permute, then take this rank's slice); elsewhere, and leaving it, is one all-to-all of the
-blocks that change rank (half of them at tp=2). So a run uses it when its entry is that scatter or it has at
-least two layers (one all-to-all in, one out, against one barrier per layer).
+Everything outside a run of decomposable layers (embedding, pipeline sends, layers run whole) sees the rank layout.
+Entering the chunk layout at the model's layer 0 is free (the whole sequence is on every rank before the scatter:
+permute, then take this rank's slice); elsewhere, and leaving it, is one all-to-all of the blocks that change rank
+(half of them at tp=2). So a run uses it when its entry is that scatter or it has at least two layers (one
+all-to-all in, one out, against one barrier per layer). A run that ends at a whole model's last layer need not
+leave it: the final norm is per token, and the output head all-gathers the sequence anyway, so the head reorders
+the gathered blocks locally (`to_sequence_order`) and the all-to-all is not made (multi_copy.install).
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from torch import Tensor
 from ..distributed.collectives import _chunk
 from ..tensor_parallel.mappings import exchange_rows, scatter_to_region
 
-__all__ = ["wanted", "enter", "to_chunk_layout", "to_rank_layout", "split_chunks", "join_chunks", "SEQ_DIM"]
+__all__ = ["wanted", "enter", "to_chunk_layout", "to_rank_layout", "to_sequence_order", "split_chunks", "join_chunks",
+           "SEQ_DIM"]
 
 SEQ_DIM = 1  # HF hidden states are [batch, seq, hidden]
 
@@ -94,6 +97,18 @@ def to_rank_layout(chunks: list[Tensor], group) -> list[Tensor]:
     return split_chunks(_move_blocks(join_chunks(chunks), group, _chunk_blocks(tp, n), _rank_blocks(tp, n)), n)
 
 
+def _regroup(x: Tensor, outer: int, inner: int) -> Tensor:
+    """x's sequence as outer x inner equal blocks, in (outer, inner) order -> the same blocks in (inner, outer)
+    order."""
+    return x.unflatten(SEQ_DIM, (outer, inner, -1)).transpose(SEQ_DIM, SEQ_DIM + 1).flatten(SEQ_DIM, SEQ_DIM + 2)
+
+
+def to_sequence_order(gathered: Tensor, tp: int, n: int) -> Tensor:
+    """The all-gather over tp of a chunk-layout output (rank r's n blocks j*tp + r, rank after rank) -> the
+    sequence in order; a local permute (its backward the inverse one)."""
+    return _regroup(gathered, tp, n)
+
+
 def enter(h: Tensor, n: int, group, *, scatter: bool, chunked: bool) -> list[Tensor]:
     """A copy's hidden state -> its n chunks for a run of layers: h is the whole sequence when `scatter` (the
     model's layer 0 under sequence parallel; this is the scatter its own pre-hook would do), else this rank's
@@ -106,5 +121,4 @@ def enter(h: Tensor, n: int, group, *, scatter: bool, chunked: bool) -> list[Ten
     tp = dist.get_world_size(group)
     _check(_chunk(h, group, SEQ_DIM), n)  # the clear errors of an uneven scatter or chunk split
     # blocks in (rank, chunk) order, so that rank r's slice is blocks j*tp + r, j = 0..n-1
-    by_rank = h.unflatten(SEQ_DIM, (n, tp, -1)).transpose(SEQ_DIM, SEQ_DIM + 1).flatten(SEQ_DIM, SEQ_DIM + 2)
-    return split_chunks(scatter_to_region(by_rank, group, SEQ_DIM), n)
+    return split_chunks(scatter_to_region(_regroup(h, n, tp), group, SEQ_DIM), n)

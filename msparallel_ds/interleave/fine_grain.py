@@ -253,7 +253,7 @@ def _chunk_steps(run: list, shared_layers: list, h, j: int, lag: int):
 
 
 def decoder_steps(layers: list, h: Tensor, kw: dict[str, Any], *, n: int = 1, copy: Any = 0, lag: int = 0,
-                  scatter_group=None):
+                  scatter_group=None, stay_chunked: bool = False):
     """Generator: one copy's hidden state h through `layers` ((index, layer, parts) each, parts: the family
     adapter's LayerParts) in n chunks; yields after every collective it starts (and between GEMM blocks); returns
     the chunks' outputs in the rank layout (tensors or Pending). Consecutive decomposable layers run as one chunk
@@ -262,7 +262,9 @@ def decoder_steps(layers: list, h: Tensor, kw: dict[str, Any], *, n: int = 1, co
     (position_embeddings, attention_mask, position_ids, ...). lag: extra yields before the first gather
     (multi_copy.copy_lag). scatter_group: the tp group when layers[0] is the model's layer 0 under SP (h is then
     the whole sequence); if that layer is decomposable the scatter its pre-hook would do is done here, else the
-    layer runs whole with its own pre-hook."""
+    layer runs whole with its own pre-hook. stay_chunked: a last run in the chunk layout is not moved back (the
+    caller's output head reorders the gathered sequence, chunk_layout.to_sequence_order). Returns (the chunks'
+    outputs, (tp, n) if they are in the chunk layout else None)."""
     hs: Optional[list] = None  # the chunks; None while the hidden state is the whole tensor h
     ids, i = [copy if n == 1 else (copy, j) for j in range(n)], 0
     while i < len(layers):
@@ -285,7 +287,9 @@ def decoder_steps(layers: list, h: Tensor, kw: dict[str, Any], *, n: int = 1, co
             hs = chunk_layout.to_chunk_layout([resolve(x) for x in hs], kinds.group)
         hs = yield from round_robin([_chunk_steps(run, shared, hs[j], j, lag + (j % 3 if chunked else 0))
                                       for j in range(n)], ids)
+        lag, i = 0, end
+        if chunked and stay_chunked and end == len(layers):
+            return hs, (kinds.tp, n)
         if chunked:
             hs = chunk_layout.to_rank_layout([resolve(x) for x in hs], kinds.group)
-        lag, i = 0, end
-    return [h] if hs is None else hs
+    return ([h] if hs is None else hs), None

@@ -43,6 +43,7 @@ and the stack splits them per copy (dim 0); a pipeline stage calls the stack on 
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional, Sequence
 
 import torch
@@ -50,6 +51,7 @@ from torch import Tensor, nn
 
 from ..models import LayerParts, adapter_for
 from ..tensor_parallel.layers import RowParallelLinear
+from . import chunk_layout
 from .fine_grain import decoder_steps, join_chunks, resolve
 from .schedule import round_robin, run
 
@@ -66,25 +68,34 @@ def copy_lag(copy: int) -> int:
 
 
 def copy_steps(layers: Sequence[tuple[int, nn.Module, Optional[LayerParts]]], h: Tensor, kw: dict, *, copy: int = 0,
-               fine_grain: int = 1, scatter_group=None):
+               fine_grain: int = 1, scatter_group=None, stay_chunked: bool = False):
     """Generator: one copy through `layers` ((index, layer, parts) each); yields after each collective it starts;
-    returns its hidden state. scatter_group: the tp group when the first layer is the model's layer 0 under SP."""
-    hs = yield from decoder_steps(list(layers), h, kw, n=fine_grain, copy=copy, lag=copy_lag(copy),
-                                  scatter_group=scatter_group)
-    return join_chunks([resolve(h) for h in hs])
+    returns (its hidden state, (tp, n) if it is in the chunk layout else None). scatter_group: the tp group when
+    the first layer is the model's layer 0 under SP; stay_chunked: see fine_grain.decoder_steps."""
+    hs, layout = yield from decoder_steps(list(layers), h, kw, n=fine_grain, copy=copy, lag=copy_lag(copy),
+                                          scatter_group=scatter_group, stay_chunked=stay_chunked)
+    return join_chunks([resolve(h) for h in hs]), layout
+
+
+def _run_copies(layers, hidden_states_copies, copy_kwargs, *, fine_grain: int, scatter_group=None,
+                stay_chunked: bool = False, **layer_kwargs) -> tuple[list[Tensor], Optional[tuple[int, int]]]:
+    n = len(hidden_states_copies)
+    kws = [{**layer_kwargs, **(copy_kwargs[c] if copy_kwargs else {})} for c in range(n)]
+    gens = [copy_steps(layers, hidden_states_copies[c], kws[c], copy=c, fine_grain=fine_grain,
+                       scatter_group=scatter_group, stay_chunked=stay_chunked) for c in range(n)]
+    outs = run(round_robin(gens))  # every copy runs the same layers, so all share one output layout
+    return [o for o, _ in outs], outs[0][1]
 
 
 def run_layers(layers: Sequence[tuple[int, nn.Module, Optional[LayerParts]]], hidden_states_copies: Sequence[Tensor],
                copy_kwargs: Optional[Sequence[dict]] = None, *, fine_grain: int = 1, scatter_group=None,
                **layer_kwargs) -> list[Tensor]:
-    """Run decoder `layers` over N copies interleaved; returns the N outputs. `layer_kwargs`: the HF decoder layer's
-    kwargs shared by all copies; `copy_kwargs[c]`: copy c's own (position_embeddings, attention_mask, ... split
-    along the batch). The last collective of each copy is waited before returning."""
-    n = len(hidden_states_copies)
-    kws = [{**layer_kwargs, **(copy_kwargs[c] if copy_kwargs else {})} for c in range(n)]
-    gens = [copy_steps(layers, hidden_states_copies[c], kws[c], copy=c, fine_grain=fine_grain,
-                       scatter_group=scatter_group) for c in range(n)]
-    return run(round_robin(gens))
+    """Run decoder `layers` over N copies interleaved; returns the N outputs (sequence parallel's rank layout).
+    `layer_kwargs`: the HF decoder layer's kwargs shared by all copies; `copy_kwargs[c]`: copy c's own
+    (position_embeddings, attention_mask, ... split along the batch). The last collective of each copy is waited
+    before returning."""
+    return _run_copies(layers, hidden_states_copies, copy_kwargs, fine_grain=fine_grain, scatter_group=scatter_group,
+                       **layer_kwargs)[0]
 
 
 # ---------------------------------------------------------------------------------------------- the stack
@@ -106,6 +117,9 @@ class InterleavedStack:
                  copy_loss: str, scatter_group=None):
         self.layers, self.n_copies, self.fine_grain = list(layers), n_copies, fine_grain
         self.copy_loss, self.scatter_group = copy_loss, scatter_group
+        # the head reorders the output (_HeadOrder): during such a model's forward the last run may stay in the
+        # chunk layout; out_layout is where the last call left its output, (tp, n) or None (rank layout)
+        self.stay_chunked, self.out_layout = False, None
         first = self.layers[0][1] if self.layers else None
         self.attention_type = getattr(first, "attention_type", "full_attention")  # HF's mask lookup reads it
 
@@ -113,6 +127,7 @@ class InterleavedStack:
         return {"copies": self.n_copies, "fine_grain": self.fine_grain, "copy_loss": self.copy_loss}
 
     def __call__(self, hidden_states: Tensor, **kwargs) -> Tensor:
+        self.out_layout = None
         if kwargs.get("past_key_values") is not None:  # generation with a cache: plain HF loop
             for _, layer, _ in self.layers:
                 hidden_states = layer(hidden_states, **kwargs)
@@ -124,9 +139,52 @@ class InterleavedStack:
         copies = hidden_states.chunk(n, 0)
         split = {k: _split_rows(v, rows, n) for k, v in kwargs.items()}
         copy_kwargs = [{k: v[c] for k, v in split.items()} for c in range(n)]
-        outs = run_layers(self.layers, copies, copy_kwargs, fine_grain=self.fine_grain,
-                          scatter_group=self.scatter_group)
+        outs, self.out_layout = _run_copies(self.layers, copies, copy_kwargs, fine_grain=self.fine_grain,
+                                            scatter_group=self.scatter_group, stay_chunked=self.stay_chunked)
         return outs[0] if n == 1 else torch.cat(outs, 0)
+
+    def to_sequence_order(self, gathered: Tensor) -> Tensor:
+        """The output head's all-gathered input -> sequence order, if the last call left it in the chunk layout
+        (once: the next head call, e.g. multi-token prediction's, sees the rank layout's order)."""
+        layout, self.out_layout = self.out_layout, None
+        return gathered if layout is None else chunk_layout.to_sequence_order(gathered, *layout)
+
+
+class _HeadOrder:
+    """A whole causal LM's forward lets the stack's last chunk-layout run stay chunked and its output head put the
+    gathered sequence back in order (chunk_layout.py): no all-to-all out of the chunk layout. Only where the head
+    is the decoder output's one reader: its input all-gathered under SP (the head's `gathered_order` slot), no
+    multi-token prediction (it reads the final norm's output), no hidden states returned, all logits kept."""
+
+    def __init__(self, part: nn.Module, stack: InterleavedStack):
+        self.stack, self.head = stack, part.get_output_embeddings()
+        self.head.gathered_order = stack.to_sequence_order
+        self.handles = (part.register_forward_pre_hook(self._arm, with_kwargs=True),
+                        part.register_forward_hook(self._disarm))
+
+    @staticmethod
+    def applies(part: nn.Module) -> bool:
+        from ..models.mtp import mtp_layers
+
+        head = getattr(part, "get_output_embeddings", lambda: None)()
+        return head is not None and hasattr(head, "gathered_order") and not mtp_layers(part)
+
+    def _arm(self, part, args, kwargs) -> None:
+        try:
+            given = inspect.signature(part.forward).bind_partial(*args, **kwargs).arguments
+        except TypeError:  # the forward itself reports bad arguments
+            given = {"output_hidden_states": True}
+        hidden = given.get("output_hidden_states")
+        hidden = getattr(part.config, "output_hidden_states", False) if hidden is None else hidden
+        self.stack.stay_chunked = not hidden and not given.get("logits_to_keep")
+
+    def _disarm(self, part, args, output) -> None:
+        self.stack.stay_chunked, self.stack.out_layout = False, None
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.head.gathered_order = None
 
 
 def check_copy_loss(copy_loss: str) -> None:
@@ -154,7 +212,12 @@ def install(part: nn.Module, n_copies: int, fine_grain: int = 1, *, copy_loss: s
         row = layers[0][2].attn_out
         if isinstance(row, RowParallelLinear) and row.sequence_parallel:
             scatter_group = row.group
-    adapter.install_interleave(part, InterleavedStack(layers, n_copies, fine_grain, copy_loss, scatter_group))
+    stack = InterleavedStack(layers, n_copies, fine_grain, copy_loss, scatter_group)
+    adapter.install_interleave(part, stack)
+    old = getattr(part, "_msp_head_order", None)
+    if old is not None:
+        old.remove()
+    part._msp_head_order = _HeadOrder(part, stack) if _HeadOrder.applies(part) else None
     return part
 
 

@@ -82,6 +82,11 @@ def _map_hidden_input(module: nn.Module, fn) -> None:
     module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def _in_order(module: nn.Module, gathered: Tensor) -> Tensor:
+    order = module.gathered_order
+    return gathered if order is None else order(gathered)
+
+
 def _set(part: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(part.get_submodule(parent) if parent else part, child, new)
@@ -125,8 +130,9 @@ def apply_tp(part: nn.Module, layout: ParallelLayout, adapter: DecoderAdapter, p
             _map_hidden_input(module, lambda x: scatter_to_region(x, group, SEQ_DIM))
         elif style == "sequence_gather_input":
             _map_hidden_input(module, lambda x: gather_from_sequence_region(x, group, SEQ_DIM))
-        elif style == "sequence_gather_input_replicated":
-            _map_hidden_input(module, lambda x: gather_from_region(x, group, SEQ_DIM))
+        elif style == "sequence_gather_input_replicated":  # gathered_order: as ParallelLMHead's (vocab.py)
+            module.gathered_order = None
+            _map_hidden_input(module, lambda x, m=module: _in_order(m, gather_from_region(x, group, SEQ_DIM)))
         elif style == "copy_input":
             _map_hidden_input(module, lambda x: copy_to_region(x, group))
         else:

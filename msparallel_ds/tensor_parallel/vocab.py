@@ -8,6 +8,8 @@ the loss against the HF model. To pad on purpose, resize the model first
 """
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -16,7 +18,8 @@ from torch import Tensor, nn
 from ..distributed.collectives import all_reduce
 from ..labels import IGNORE_INDEX
 from .layers import ColumnParallelLinear, _cut, divide
-from .mappings import gather_from_region, reduce_from_region, reduce_scatter_to_sequence_region
+from .mappings import (gather_from_region, gather_from_sequence_region, reduce_from_region,
+                       reduce_scatter_to_sequence_region)
 from .spec import STYLE_PARAM_SHARDS
 
 __all__ = ["VocabParallelEmbedding", "check_ids_in_vocab", "vocab_parallel_cross_entropy", "ParallelLMHead"]
@@ -172,6 +175,14 @@ class ParallelLMHead(ColumnParallelLinear):
                  seq_dim: int = 1, device=None, dtype=None):
         super().__init__(in_features, vocab_size, bias, group, gather_output=False,
                          sequence_parallel=sequence_parallel, seq_dim=seq_dim, device=device, dtype=dtype)
+        if sequence_parallel:  # a producer whose tokens are not in sequence order reorders the gathered input here
+            self.gathered_order: Optional[Callable[[Tensor], Tensor]] = None  # (interleave's chunk layout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        order = getattr(self, "gathered_order", None)
+        if order is None:
+            return super().forward(x)
+        return F.linear(order(gather_from_sequence_region(x, self.group, self.seq_dim)), self.weight, self.bias)
 
     def loss(self, hidden: Tensor, target: Tensor, ignore_index: int = IGNORE_INDEX, reduction: str = "mean") -> Tensor:
         return vocab_parallel_cross_entropy(self(hidden), target, self.group, ignore_index, reduction)
