@@ -30,7 +30,8 @@ The attention, with SP and several chunks, depends on where the chunks' tokens l
   arrives and its queries attend to the keys of chunks 0..j, in before it. Chunk j starts j % 3 steps behind
   chunk 0, like the copies, and each runs its attention and out-proj as two steps, so the windows are the
   copies' (forward and backward: no chunk waits for a later one). The run enters this layout at layer 0's
-  scatter for free, elsewhere by an all-to-all, and leaves it by one.
+  scatter for free, elsewhere by an all-to-all, and leaves it by one, or at a whole model's last layer not at
+  all (the output head reorders its gathered input, multi_copy._HeadOrder).
 - rank layout (otherwise): gathered chunk j holds every tp rank's j-th slice, so a query of any chunk needs keys
   of every chunk: a barrier. q/k/v are permuted to sequence order before the attention and its output back to
   chunk order (a copy each). With causal sdpa/eager each chunk then runs only its own query rows, each block

@@ -24,10 +24,11 @@ What overlaps, honestly:
   while other copies' tp collectives are in flight (the ring's transfers are not split into scheduler steps, so
   they do not overlap another copy's compute). cp-only layers (tp = 1) run whole, one copy after the other.
 - dp: DeepSpeed's gradient reduction after backward is unchanged (it sees one backward of the whole micro-batch).
-- Not interleaved: embedding, final norm, output head and loss run once on the whole micro-batch (the vocab-parallel
-  embedding's all-reduce and the head's gather are blocking); recomputed layers, the weight-grad all-reduces of
-  replicated kv / SP bias parameters (small, blocking, after all copies contributed). The SP norms' weight grads
-  are summed async, one wait per backward (tensor_parallel/replicated.py).
+- Not interleaved: embedding, final norm, output head and loss run once on the whole micro-batch (the
+  vocab-parallel embedding's all-reduce and the head's gather are blocking; with fine-grain chunks in the chunk
+  layout the head reorders its gathered input, so the chunks need no all-to-all back: _HeadOrder); recomputed
+  layers, the weight-grad all-reduces of replicated kv / SP bias parameters (small, blocking, after all copies
+  contributed). The SP norms' weight grads are summed async, one wait per backward (tensor_parallel/replicated.py).
 
 Semantics: the copies are rows of one micro-batch and the engine's loss is the token sum over all of them divided
 by the global token count, so the step's gradient equals the non-interleaved step's (a speed feature). MindSpore's
@@ -159,6 +160,7 @@ class _HeadOrder:
     def __init__(self, part: nn.Module, stack: InterleavedStack):
         self.stack, self.head = stack, part.get_output_embeddings()
         self.head.gathered_order = stack.to_sequence_order
+        self.signature = inspect.signature(part.forward)
         self.handles = (part.register_forward_pre_hook(self._arm, with_kwargs=True),
                         part.register_forward_hook(self._disarm))
 
@@ -171,7 +173,7 @@ class _HeadOrder:
 
     def _arm(self, part, args, kwargs) -> None:
         try:
-            given = inspect.signature(part.forward).bind_partial(*args, **kwargs).arguments
+            given = self.signature.bind_partial(*args, **kwargs).arguments
         except TypeError:  # the forward itself reports bad arguments
             given = {"output_hidden_states": True}
         hidden = given.get("output_hidden_states")
