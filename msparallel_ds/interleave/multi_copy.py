@@ -219,7 +219,7 @@ def install(part: nn.Module, n_copies: int, fine_grain: int = 1, *, copy_loss: s
     old = getattr(part, "_msp_head_order", None)
     if old is not None:
         old.remove()
-    part._msp_head_order = _HeadOrder(part, stack) if _HeadOrder.applies(part) else None
+    part._msp_head_order = _HeadOrder(part, stack) if fine_grain > 1 and _HeadOrder.applies(part) else None
     return part
 
 
