@@ -257,10 +257,10 @@ def decoder_steps(layers: list, h: Tensor, kw: dict[str, Any], *, n: int = 1, co
                   scatter_group=None, stay_chunked: bool = False):
     """Generator: one copy's hidden state h through `layers` ((index, layer, parts) each, parts: the family
     adapter's LayerParts) in n chunks; yields after every collective it starts (and between GEMM blocks); returns
-    the chunks' outputs in the rank layout (tensors or Pending). Consecutive decomposable layers run as one chunk
-    generator each, round-robin, so the chunks stay a step apart across layers, in the chunk layout where
-    chunk_layout.wanted; others run whole as one step. `kw`: the HF layer kwargs for this copy
-    (position_embeddings, attention_mask, position_ids, ...). lag: extra yields before the first gather
+    the chunks' outputs (tensors or Pending; in the rank layout unless stay_chunked, below). Consecutive
+    decomposable layers run as one chunk generator each, round-robin, so the chunks stay a step apart across
+    layers, in the chunk layout where chunk_layout.wanted; others run whole as one step. `kw`: the HF layer kwargs
+    for this copy (position_embeddings, attention_mask, position_ids, ...). lag: extra yields before the first gather
     (multi_copy.copy_lag). scatter_group: the tp group when layers[0] is the model's layer 0 under SP (h is then
     the whole sequence); if that layer is decomposable the scatter its pre-hook would do is done here, else the
     layer runs whole with its own pre-hook. stay_chunked: a last run in the chunk layout is not moved back (the
