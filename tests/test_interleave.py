@@ -32,6 +32,11 @@ LAYOUTS = {  # name -> (tiny_config kwargs, [(micro_batch_interleave_num, fine_g
 CHUNK_LAYOUT = {("fine_grain_dp2xtp2_sp", 1, 2), ("fine_grain_dp2xtp2_sp", 1, 4), ("fine_grain_dp2xtp2_sp", 2, 2),
                 ("dp2xtp2_sp_recompute2", 1, 2), ("tp4_sp_vocab_kv_replicated", 1, 2)}  # the runs that end in it
 
+# the runs whose output head is replicated under SP (vocab_emb_dp) and whose layer 0 runs in the interleave schedule:
+# the head's weight grad is deferred to the layer-0 scatters (not with recomputed layer 0, nor at tp = 1)
+DEFERRED = {(name, mbi, fgi) for name in ("dp2xtp2_sp", "tp2xcp2_ring_sp", "fine_grain_dp2xtp2_sp")
+            for mbi, fgi in LAYOUTS[name][1] if (mbi, fgi) != (1, 1)}
+
 
 def _rel(a, b) -> float:
     return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
@@ -73,13 +78,15 @@ def _share(engine, step):
 def _grads(engine, fgi):
     """Logits (this rank's shard) and every parameter's gradient for one micro-batch, loss = token mean, on a
     model parallelized for the engine's layout (plain autograd: DeepSpeed's ZeRO hooks stay out of it); the base
-    model's output called on its own (sequence parallel's rank layout: no head to reorder it); and how many times
-    the causal LM's forward moved chunks back to the rank layout (0: the head reorders the chunk layout)."""
+    model's output called on its own (sequence parallel's rank layout: no head to reorder it); how many times
+    the causal LM's forward moved chunks back to the rank layout (0: the head reorders the chunk layout); and how
+    many parts of the output head's weight grad the layer-0 scatters computed (deferred.py)."""
     import torch
 
     import msparallel_ds as msp
     from msparallel_ds.context_parallel.batch import inputs_and_targets
     from msparallel_ds.interleave import chunk_layout
+    from msparallel_ds.interleave.deferred import DeferredWgrad
 
     model = msp.parallelize(tiny_model(), engine.layout)
     if fgi == 0:
@@ -89,6 +96,14 @@ def _grads(engine, fgi):
     inputs, targets = inputs_and_targets(engine._micro(_share(engine, 99), slice(None)), engine.layout)
     moves, to_rank = [], chunk_layout.to_rank_layout
     chunk_layout.to_rank_layout = lambda *a: moves.append(1) or to_rank(*a)
+    parts, take = [], DeferredWgrad.take
+
+    def counted_take(box, copy):
+        dw = take(box, copy)
+        parts.append(dw is not None)
+        return dw
+
+    DeferredWgrad.take = counted_take
     try:
         logits = model(**inputs, use_cache=False).logits
         (engine._token_loss_sum(logits, targets) / targets.numel()).backward()
@@ -96,9 +111,9 @@ def _grads(engine, fgi):
         with torch.no_grad():
             hidden = model.model(**{k: v for k, v in inputs.items() if k != "labels"}, use_cache=False)
     finally:
-        chunk_layout.to_rank_layout = to_rank
+        chunk_layout.to_rank_layout, DeferredWgrad.take = to_rank, take
     return logits.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters()}, \
-        hidden.last_hidden_state, (moved_out, len(moves) - moved_out)
+        hidden.last_hidden_state, (moved_out, len(moves) - moved_out), sum(parts)
 
 
 def _run(rank, world_size, references):
@@ -114,7 +129,7 @@ def _run_layout(name, ref_losses, ref_state):
     for mbi, fgi in variants:
         engine = _engine(yaml, mbi, fgi)
         interleave = installed(engine.model)
-        logits, grads, hidden, moves = _grads(engine, fgi)
+        logits, grads, hidden, moves, deferred = _grads(engine, fgi)
         if base is None:
             base = (logits, grads, hidden)
         losses = [engine.train_batch(_share(engine, s)).item() for s in range(STEPS)]
@@ -125,6 +140,7 @@ def _run_layout(name, ref_losses, ref_state):
             "grads_rel": max(_rel(g, base[1][k]) for k, g in grads.items()),
             "base_model_rel": _rel(hidden, base[2]),
             "moves_out": moves,  # (the causal LM's forward, the base model's own)
+            "deferred_wgrad_parts": deferred,
             "grads_nonzero": sum(int(g.abs().sum() > 0) for g in grads.values()) / len(grads),
             "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
             "weights": max((state[k] - v).abs().max().item() for k, v in ref_state.items()),
@@ -192,6 +208,8 @@ def test_interleave_matches_plain_and_single_process(name, results):
             # in the chunk layout the head reorders the gathered chunks: only the base model alone moves them back
             assert r["base_model_rel"] <= TOL, (name, rank, mbi, fgi, r)
             assert r["moves_out"] == (0, mbi if (name, mbi, fgi) in CHUNK_LAYOUT else 0), (name, rank, mbi, fgi, r)
+            # the replicated head's weight grad, computed in the copies' layer-0 scatters: one part per copy
+            assert r["deferred_wgrad_parts"] == (mbi if (name, mbi, fgi) in DEFERRED else 0), (name, rank, mbi, fgi, r)
             assert r["grads_nonzero"] > 0.9, (name, rank, mbi, fgi, r)
             assert r["loss_rel"] <= TOL, (name, rank, mbi, fgi, r)
             assert r["weights"] <= 5e-5, (name, rank, mbi, fgi, r)

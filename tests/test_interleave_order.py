@@ -47,9 +47,12 @@ def _record(rank, world_size):
     return logs
 
 
+ENDS = ("output_head:", "L0.scatter:")  # the model's ends: the head's input gather, the layer-0 scatter (own test)
+
+
 def _windows(log, phase, chunks=False, names=False):
     """(copy, name, copies that computed between its issue and its wait (names: their compute marks)) for every
-    async collective in phase."""
+    async collective of the decoder layers in phase."""
     open_, out = {}, []
     for i, (event, copy, ph, name) in enumerate(log):
         if ph != phase:
@@ -60,7 +63,8 @@ def _windows(log, phase, chunks=False, names=False):
             j = open_.pop((copy, name))
             others = {n if names else c for e, c, p, n in log[j + 1:i]
                       if e == "compute" and p == phase and c != copy and (not chunks or isinstance(c, tuple))}
-            out.append((copy, name, others))
+            if not name.startswith(ENDS):
+                out.append((copy, name, others))
     assert not open_, f"collectives issued and never waited: {open_}"
     return out
 
@@ -131,7 +135,24 @@ def test_gather_multiplies_own_rows_in_flight(logs, name):
     for i in issued:
         _, copy, _, name_ = log[i]
         assert log[i + 1] == ("compute", copy, "fwd", name_.split(":")[0] + ":gemm_local"), log[i:i + 2]
-    assert sum(1 for e in log if e[3].endswith(":gemm_local")) == len(issued)
+    assert sum(1 for e in log if e[3].endswith(":gemm_local") and not e[3].startswith(ENDS)) == len(issued)
+
+
+@pytest.mark.parametrize("name,copies", [("sp_n1", 1), ("sp_n2", 2), ("sp_n4", 4), ("sp_fine_grain2", 1)])
+def test_model_ends_overlap_head_gemms(logs, name, copies):
+    """The model's ends under SP are async too: the output head's input all-gather is in flight during the head's
+    GEMM of this rank's own rows (forward), and each copy's layer-0 scatter all-gather (backward) during that
+    copy's part of the head's weight-grad GEMM, deferred there (deferred.py). No blocking collective is left."""
+    log = logs[0][name][0]
+    issued = log.index(("issue", None, "fwd", "output_head:gather_replicated"))
+    assert log[issued + 1] == ("compute", None, "fwd", "output_head:gemm_local"), log[issued:issued + 2]
+    assert log.index(("wait", None, "fwd", "output_head:gather_replicated")) > issued + 1
+    for copy in range(copies):
+        issued = log.index(("issue", copy, "bwd", "L0.scatter:all_gather"))
+        assert log[issued + 1:issued + 3] == [("compute", copy, "bwd", "output_head:wgrad_deferred"),
+                                              ("wait", copy, "bwd", "L0.scatter:all_gather")], log[issued:issued + 3]
+    assert sum(1 for e in log if e[3] == "output_head:wgrad_deferred") == copies
+    assert not [e for e in log if e[0] == "sync"]
 
 
 def test_fine_grain_chunks_overlap(logs):

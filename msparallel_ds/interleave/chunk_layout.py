@@ -19,6 +19,8 @@ the gathered blocks locally (`to_sequence_order`) and the all-to-all is not made
 """
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -109,16 +111,24 @@ def to_sequence_order(gathered: Tensor, tp: int, n: int) -> Tensor:
     return _regroup(gathered, tp, n)
 
 
-def enter(h: Tensor, n: int, group, *, scatter: bool, chunked: bool) -> list[Tensor]:
+def from_sequence_order(x: Tensor, tp: int, n: int) -> Tensor:
+    """The inverse of to_sequence_order: the sequence in order -> rank r's n blocks j*tp + r, rank after rank."""
+    return _regroup(x, n, tp)
+
+
+def enter(h: Tensor, n: int, group, *, scatter: bool, chunked: bool,
+          cut: Optional[Callable[[Tensor], Tensor]] = None) -> list[Tensor]:
     """A copy's hidden state -> its n chunks for a run of layers: h is the whole sequence when `scatter` (the
-    model's layer 0 under sequence parallel; this is the scatter its own pre-hook would do), else this rank's
-    slice in the rank layout; the chunks are in the chunk layout when `chunked`."""
+    model's layer 0 under sequence parallel; this is the scatter its own pre-hook would do, by `cut`, default the
+    blocking scatter_to_region), else this rank's slice in the rank layout; the chunks are in the chunk layout
+    when `chunked`."""
     if not scatter:
         hs = split_chunks(h, n)
         return to_chunk_layout(hs, group) if chunked else hs
+    cut = cut or (lambda x: scatter_to_region(x, group, SEQ_DIM))
     if not chunked:
-        return split_chunks(scatter_to_region(h, group, SEQ_DIM), n)
+        return split_chunks(cut(h), n)
     tp = dist.get_world_size(group)
     _check(_chunk(h, group, SEQ_DIM), n)  # the clear errors of an uneven scatter or chunk split
     # blocks in (rank, chunk) order, so that rank r's slice is blocks j*tp + r, j = 0..n-1
-    return split_chunks(scatter_to_region(_regroup(h, n, tp), group, SEQ_DIM), n)
+    return split_chunks(cut(_regroup(h, n, tp)), n)

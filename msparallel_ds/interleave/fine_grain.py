@@ -31,7 +31,7 @@ The attention, with SP and several chunks, depends on where the chunks' tokens l
   chunk 0, like the copies, and each runs its attention and out-proj as two steps, so the windows are the
   copies' (forward and backward: no chunk waits for a later one). The run enters this layout at layer 0's
   scatter for free, elsewhere by an all-to-all, and leaves it by one, or at a whole model's last layer not at
-  all (the output head reorders its gathered input, multi_copy._HeadOrder).
+  all (the output head takes its gathered blocks in sequence order, multi_copy._Head).
 - rank layout (otherwise): gathered chunk j holds every tp rank's j-th slice, so a query of any chunk needs keys
   of every chunk: a barrier. q/k/v are permuted to sequence order before the attention and its output back to
   chunk order (a copy each). With causal sdpa/eager each chunk then runs only its own query rows, each block
@@ -46,6 +46,7 @@ norms, projections and MLP, and runs the attention between the projections).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -55,8 +56,9 @@ from torch import Tensor, nn
 from ..models import LayerParts
 from ..tensor_parallel.layers import ReplicatedKVLinear, RowParallelLinear
 from ..tensor_parallel.mappings import copy_to_region
-from . import chunk_layout
+from . import chunk_layout, deferred
 from .chunk_layout import SEQ_DIM, join_chunks, split_chunks
+from .deferred import DeferredWgrad
 from .overlap import AsyncCollective, issue, mark_compute, wait, wait_linears
 from .schedule import round_robin
 
@@ -254,7 +256,7 @@ def _chunk_steps(run: list, shared_layers: list, h, j: int, lag: int):
 
 
 def decoder_steps(layers: list, h: Tensor, kw: dict[str, Any], *, n: int = 1, copy: Any = 0, lag: int = 0,
-                  scatter_group=None, stay_chunked: bool = False):
+                  scatter_group=None, stay_chunked: bool = False, wgrad: Optional[DeferredWgrad] = None):
     """Generator: one copy's hidden state h through `layers` ((index, layer, parts) each, parts: the family
     adapter's LayerParts) in n chunks; yields after every collective it starts (and between GEMM blocks); returns
     the chunks' outputs (tensors or Pending; in the rank layout unless stay_chunked, below). Consecutive
@@ -264,8 +266,10 @@ def decoder_steps(layers: list, h: Tensor, kw: dict[str, Any], *, n: int = 1, co
     (multi_copy.copy_lag). scatter_group: the tp group when layers[0] is the model's layer 0 under SP (h is then
     the whole sequence); if that layer is decomposable the scatter its pre-hook would do is done here, else the
     layer runs whole with its own pre-hook. stay_chunked: a last run in the chunk layout is not moved back (the
-    caller's output head reorders the gathered sequence, chunk_layout.to_sequence_order). Returns (the chunks'
-    outputs, (tp, n) if they are in the chunk layout else None)."""
+    caller's output head reorders the gathered sequence, chunk_layout.to_sequence_order). The scatter is async
+    (deferred.scatter: its backward all-gather in flight beside other copies' layer-0 backward and, with `wgrad`,
+    this copy's part of the output head's deferred weight grad). Returns (the chunks' outputs, (tp, n) if they
+    are in the chunk layout else None)."""
     hs: Optional[list] = None  # the chunks; None while the hidden state is the whole tensor h
     ids, i = [copy if n == 1 else (copy, j) for j in range(n)], 0
     while i < len(layers):
@@ -283,7 +287,8 @@ def decoder_steps(layers: list, h: Tensor, kw: dict[str, Any], *, n: int = 1, co
         for s in shared:
             s.chunked = chunked
         if hs is None:
-            hs = chunk_layout.enter(h, n, kinds.group, scatter=scatter, chunked=chunked)
+            cut = partial(deferred.scatter, group=kinds.group, dim=SEQ_DIM, copy=copy, box=wgrad)
+            hs = chunk_layout.enter(h, n, kinds.group, scatter=scatter, chunked=chunked, cut=cut)
         elif chunked:
             hs = chunk_layout.to_chunk_layout([resolve(x) for x in hs], kinds.group)
         hs = yield from round_robin([_chunk_steps(run, shared, hs[j], j, lag + (j % 3 if chunked else 0))

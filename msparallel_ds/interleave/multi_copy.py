@@ -25,10 +25,14 @@ What overlaps, honestly:
   they do not overlap another copy's compute). cp-only layers (tp = 1) run whole, one copy after the other.
 - dp: DeepSpeed's gradient reduction after backward is unchanged (it sees one backward of the whole micro-batch).
 - Not interleaved: embedding, final norm, output head and loss run once on the whole micro-batch (the
-  vocab-parallel embedding's all-reduce and the head's gather are blocking; with fine-grain chunks in the chunk
-  layout the head reorders its gathered input, so the chunks need no all-to-all back: _HeadOrder); recomputed
-  layers, the weight-grad all-reduces of replicated kv / SP bias parameters (small, blocking, after all copies
-  contributed). The SP norms' weight grads are summed async, one wait per backward (tensor_parallel/replicated.py).
+  vocab-parallel embedding's all-reduce is blocking); recomputed layers, the weight-grad all-reduces of
+  replicated kv / SP bias parameters (small, blocking, after all copies contributed). The SP norms' weight grads
+  are summed async, one wait per backward (tensor_parallel/replicated.py).
+- The ends under SP (_Head): the output head's input all-gather is async, its window the head's GEMM of this
+  rank's own rows; with fine-grain chunks in the chunk layout the head takes the gathered blocks in sequence
+  order, so the chunks need no all-to-all back. The model's layer-0 scatter (per copy) is async in backward: its
+  all-gather runs beside the other copies' layer-0 backward and the replicated head's weight-grad GEMM, deferred
+  to there (deferred.py, Megatron's defer_embedding_wgrad_compute).
 
 Semantics: the copies are rows of one micro-batch and the engine's loss is the token sum over all of them divided
 by the global token count, so the step's gradient equals the non-interleaved step's (a speed feature). MindSpore's
@@ -52,8 +56,9 @@ from torch import Tensor, nn
 
 from ..models import LayerParts, adapter_for
 from ..tensor_parallel.layers import RowParallelLinear
-from . import chunk_layout
+from .deferred import DeferredWgrad
 from .fine_grain import decoder_steps, join_chunks, resolve
+from .overlap import AsyncCollective, issue, wait_linears
 from .schedule import round_robin, run
 
 __all__ = ["COPY_LOSS_MODES", "InterleavedStack", "check_copy_loss", "copy_loss_terms", "install", "installed",
@@ -69,21 +74,23 @@ def copy_lag(copy: int) -> int:
 
 
 def copy_steps(layers: Sequence[tuple[int, nn.Module, Optional[LayerParts]]], h: Tensor, kw: dict, *, copy: int = 0,
-               fine_grain: int = 1, scatter_group=None, stay_chunked: bool = False):
+               fine_grain: int = 1, scatter_group=None, stay_chunked: bool = False,
+               wgrad: Optional[DeferredWgrad] = None):
     """Generator: one copy through `layers` ((index, layer, parts) each); yields after each collective it starts;
     returns (its hidden state, (tp, n) if it is in the chunk layout else None). scatter_group: the tp group when
-    the first layer is the model's layer 0 under SP; stay_chunked: see fine_grain.decoder_steps."""
+    the first layer is the model's layer 0 under SP; stay_chunked, wgrad: see fine_grain.decoder_steps."""
     hs, layout = yield from decoder_steps(list(layers), h, kw, n=fine_grain, copy=copy, lag=copy_lag(copy),
-                                          scatter_group=scatter_group, stay_chunked=stay_chunked)
+                                          scatter_group=scatter_group, stay_chunked=stay_chunked, wgrad=wgrad)
     return join_chunks([resolve(h) for h in hs]), layout
 
 
 def _run_copies(layers, hidden_states_copies, copy_kwargs, *, fine_grain: int, scatter_group=None,
-                stay_chunked: bool = False, **layer_kwargs) -> tuple[list[Tensor], Optional[tuple[int, int]]]:
+                stay_chunked: bool = False, wgrad: Optional[DeferredWgrad] = None,
+                **layer_kwargs) -> tuple[list[Tensor], Optional[tuple[int, int]]]:
     n = len(hidden_states_copies)
     kws = [{**layer_kwargs, **(copy_kwargs[c] if copy_kwargs else {})} for c in range(n)]
     gens = [copy_steps(layers, hidden_states_copies[c], kws[c], copy=c, fine_grain=fine_grain,
-                       scatter_group=scatter_group, stay_chunked=stay_chunked) for c in range(n)]
+                       scatter_group=scatter_group, stay_chunked=stay_chunked, wgrad=wgrad) for c in range(n)]
     outs = run(round_robin(gens))  # every copy runs the same layers, so all share one output layout
     return [o for o, _ in outs], outs[0][1]
 
@@ -118,9 +125,10 @@ class InterleavedStack:
                  copy_loss: str, scatter_group=None):
         self.layers, self.n_copies, self.fine_grain = list(layers), n_copies, fine_grain
         self.copy_loss, self.scatter_group = copy_loss, scatter_group
-        # the head reorders the output (_HeadOrder): during such a model's forward the last run may stay in the
-        # chunk layout; out_layout is where the last call left its output, (tp, n) or None (rank layout)
-        self.stay_chunked, self.out_layout = False, None
+        # set for one forward of a whole causal LM by its head (_Head): the last run may stay in the chunk layout
+        # (out_layout: where the last call left its output, (tp, n) or None for the rank layout), and the
+        # layer-0 scatters compute the head's deferred weight grad (wgrad)
+        self.stay_chunked, self.out_layout, self.wgrad = False, None, None
         first = self.layers[0][1] if self.layers else None
         self.attention_type = getattr(first, "attention_type", "full_attention")  # HF's mask lookup reads it
 
@@ -141,25 +149,26 @@ class InterleavedStack:
         split = {k: _split_rows(v, rows, n) for k, v in kwargs.items()}
         copy_kwargs = [{k: v[c] for k, v in split.items()} for c in range(n)]
         outs, self.out_layout = _run_copies(self.layers, copies, copy_kwargs, fine_grain=self.fine_grain,
-                                            scatter_group=self.scatter_group, stay_chunked=self.stay_chunked)
+                                            scatter_group=self.scatter_group, stay_chunked=self.stay_chunked,
+                                            wgrad=self.wgrad)
         return outs[0] if n == 1 else torch.cat(outs, 0)
 
-    def to_sequence_order(self, gathered: Tensor) -> Tensor:
-        """The output head's all-gathered input -> sequence order, if the last call left it in the chunk layout
-        (once: the next head call, e.g. multi-token prediction's, sees the rank layout's order)."""
-        layout, self.out_layout = self.out_layout, None
-        return gathered if layout is None else chunk_layout.to_sequence_order(gathered, *layout)
 
-
-class _HeadOrder:
-    """A whole causal LM's forward lets the stack's last chunk-layout run stay chunked and its output head put the
-    gathered sequence back in order (chunk_layout.py): no all-to-all out of the chunk layout. Only where the head
-    is the decoder output's one reader: its input all-gathered under SP (the head's `gathered_order` slot), no
-    multi-token prediction (it reads the final norm's output), no hidden states returned, all logits kept."""
+class _Head:
+    """The output head of a whole causal LM under SP, run as part of the interleave (its `producer` slot,
+    tensor_parallel/vocab.py): the all-gather of its input is async and the head multiplies this rank's own rows
+    while the other rows travel (overlap's local-first wait_linears), so the blocking gather's time is hidden
+    behind half the head's GEMM. Per forward of the causal LM (a pre-hook arms it, a post-hook disarms), where the
+    head is the decoder output's one reader (no hidden states returned, all logits kept):
+    - a last run in the chunk layout stays there, and the gathered blocks come out in sequence order (no
+      all-to-all out of the chunk layout, and no logits-size permute: overlap's `blocks`);
+    - the replicated head's weight-grad GEMM is deferred to the layer-0 scatters' backward (deferred.py), when
+      grads are on, the head's weight takes grads and every copy's scatter holds the box.
+    Not with multi-token prediction (it reads the final norm's output and calls the head again)."""
 
     def __init__(self, part: nn.Module, stack: InterleavedStack):
         self.stack, self.head = stack, part.get_output_embeddings()
-        self.head.gathered_order = stack.to_sequence_order
+        self.head.producer = self.run
         self.signature = inspect.signature(part.forward)
         self.handles = (part.register_forward_pre_hook(self._arm, with_kwargs=True),
                         part.register_forward_hook(self._disarm))
@@ -169,7 +178,18 @@ class _HeadOrder:
         from ..models.mtp import mtp_layers
 
         head = getattr(part, "get_output_embeddings", lambda: None)()
-        return head is not None and hasattr(head, "gathered_order") and not mtp_layers(part)
+        return getattr(head, "gather_kind", None) is not None and not mtp_layers(part)
+
+    def run(self, head: nn.Module, x: Tensor) -> Tensor:
+        """The head's logits of x (this rank's sequence slice): gather + GEMM as the class's forward computes."""
+        layout, self.stack.out_layout = self.stack.out_layout, None  # once: a later call sees the rank layout
+        link = AsyncCollective(head.gather_kind, head.group, head.seq_dim, name="output_head")
+        if layout is not None:
+            link.blocks = layout[1]
+        box = self.stack.wgrad
+        if box is not None and box.ready and box.weight is head.weight and head.gather_kind == "gather_replicated":
+            link.deferred = box  # (a vocab-parallel head's weight grad already hides its input-grad reduce-scatter)
+        return wait_linears(issue(x, link, linears=((head.weight,), (head.bias,))), link)[0]
 
     def _arm(self, part, args, kwargs) -> None:
         try:
@@ -178,15 +198,19 @@ class _HeadOrder:
             given = {"output_hidden_states": True}
         hidden = given.get("output_hidden_states")
         hidden = getattr(part.config, "output_hidden_states", False) if hidden is None else hidden
-        self.stack.stay_chunked = not hidden and not given.get("logits_to_keep")
+        stack, weight = self.stack, self.head.weight
+        stack.stay_chunked = not hidden and not given.get("logits_to_keep")
+        defer = (stack.stay_chunked and stack.scatter_group is not None and torch.is_grad_enabled()
+                 and weight.requires_grad and self.head.gather_kind == "gather_replicated")
+        stack.wgrad = DeferredWgrad(weight, stack.n_copies) if defer else None
 
     def _disarm(self, part, args, output) -> None:
-        self.stack.stay_chunked, self.stack.out_layout = False, None
+        self.stack.stay_chunked, self.stack.out_layout, self.stack.wgrad = False, None, None
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-        self.head.gathered_order = None
+        self.head.producer = None
 
 
 def check_copy_loss(copy_loss: str) -> None:
@@ -216,10 +240,10 @@ def install(part: nn.Module, n_copies: int, fine_grain: int = 1, *, copy_loss: s
             scatter_group = row.group
     stack = InterleavedStack(layers, n_copies, fine_grain, copy_loss, scatter_group)
     adapter.install_interleave(part, stack)
-    old = getattr(part, "_msp_head_order", None)
+    old = getattr(part, "_msp_head", None)
     if old is not None:
         old.remove()
-    part._msp_head_order = _HeadOrder(part, stack) if fine_grain > 1 and _HeadOrder.applies(part) else None
+    part._msp_head = _Head(part, stack) if _Head.applies(part) else None
     return part
 
 

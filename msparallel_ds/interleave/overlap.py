@@ -12,12 +12,15 @@ collective on the grad, issue's backward waits for it, so eager autograd's rever
 copy's backward between the two. wait_linears' backward starts the input-grad collective right after the dgrad
 GEMM and runs the wgrad GEMMs while it is in flight (Megatron's async grad all-reduce / reduce-scatter).
 
-| kind           | forward              | backward (transpose) |
-|----------------|----------------------|----------------------|
-| all_gather     | all-gather along dim | reduce-scatter       |
-| reduce_scatter | reduce-scatter       | all-gather           |
-| all_reduce     | all-reduce           | identity             |
-| identity       | identity             | all-reduce           |
+| kind              | forward                             | backward (transpose)                           |
+|-------------------|-------------------------------------|------------------------------------------------|
+| all_gather        | all-gather along dim                | reduce-scatter                                 |
+| reduce_scatter    | reduce-scatter                      | all-gather                                     |
+| all_reduce        | all-reduce                          | identity                                       |
+| identity          | identity                            | all-reduce                                     |
+| scatter           | this rank's slice along dim (local) | all-gather                                     |
+| gather_replicated | all-gather along dim                | this rank's slice (a replicated reader: every  |
+|                   |                                     | rank computed the same grad, nothing to sum)   |
 
 Layouts and slices are those of the blocking collectives (msparallel_ds.distributed.collectives); the events and
 timings go to msparallel_ds.distributed.instruments (mark_compute logs the compute between issue and wait).
@@ -32,13 +35,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..distributed import instruments
-from ..distributed.collectives import _chunk, _size, _unsupported, start_reduce_scatter
+from ..distributed.collectives import _chunk, _size, _unsupported, split_along, start_reduce_scatter
 from ..distributed.instruments import bus_bytes, record
+from . import chunk_layout
 
 __all__ = ["AsyncCollective", "issue", "wait", "wait_linears", "mark_compute"]
 
 _TRANSPOSE = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_reduce": "identity",
-              "identity": "all_reduce"}
+              "identity": "all_reduce", "scatter": "all_gather", "gather_replicated": "scatter"}
+_GATHERS = ("all_gather", "gather_replicated")
 
 
 def _start(kind: str, x: Tensor, group, dim: int) -> tuple[Optional[object], Callable[[], Tensor], float]:
@@ -50,7 +55,10 @@ def _start(kind: str, x: Tensor, group, dim: int) -> tuple[Optional[object], Cal
         out = x.clone(memory_format=torch.contiguous_format)
         return dist.all_reduce(out, group=group, async_op=True), (lambda: out), bus_bytes(kind, out, n)
     dim %= x.dim()
-    if kind == "all_gather":
+    if kind == "scatter":
+        piece = split_along(x, group, dim)
+        return None, (lambda: piece), 0.0
+    if kind in _GATHERS:
         x = x.contiguous()
         out = x.new_empty((n * x.shape[0], *x.shape[1:]))
         try:
@@ -62,7 +70,7 @@ def _start(kind: str, x: Tensor, group, dim: int) -> tuple[Optional[object], Cal
             work = dist.all_gather(list(out.chunk(n)), x, group=group, async_op=True)
         b = x.shape[0]
         return work, (lambda: out.unflatten(0, (n, b)).movedim(0, dim).flatten(dim, dim + 1)), \
-            bus_bytes(kind, out, n)
+            bus_bytes("all_gather", out, n)
     if kind == "reduce_scatter":
         piece = _chunk(x, group, dim)
         send = x.unflatten(dim, (n, piece)).movedim(dim, 0).contiguous()
@@ -83,6 +91,10 @@ class AsyncCollective:
         self._pending: Optional[tuple] = None
         self._linears: Optional[tuple] = None  # (weights, biases) of the GEMMs that consume the result
         self._local: Optional[tuple] = None  # this rank's rows through them (set_linears)
+        self.deferred = None  # a DeferredWgrad: wait_linears' backward leaves its first weight's grad to it
+        # > 1: an all-gather of the chunk layout (rank r's rows are the sequence's blocks j*tp + r, j < blocks);
+        # wait_linears' outputs and the grads it takes are in sequence order (chunk_layout.py)
+        self.blocks = 1
 
     def start(self, x: Tensor, phase: str) -> None:
         kind = self.kind if phase == "fwd" else _TRANSPOSE[self.kind]
@@ -97,7 +109,7 @@ class AsyncCollective:
         this rank's own rows x is run now (values only: wait_linears' backward computes every grad from the
         gathered input)."""
         self._linears = (tuple(weights), tuple(biases))
-        if self.kind != "all_gather" or self._pending is None or self._pending[0] is None:
+        if self.kind not in _GATHERS or self._pending is None or self._pending[0] is None:
             return
         with torch.no_grad():
             self._local = tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
@@ -110,17 +122,25 @@ class AsyncCollective:
         wb, self._linears = self._linears, None
         return wb
 
-    def linears(self, x: Tensor, weights, biases) -> tuple[Tensor, ...]:
-        """F.linear(x, w, b) for each weight, x the finished all-gather: the other ranks' rows only when this
-        rank's are in (set_linears), placed in their sequence order."""
+    def in_order(self, gathered: Tensor) -> Tensor:
+        """The gathered tensor in sequence order (the chunk layout's blocks put back; else itself)."""
+        return gathered if self.blocks == 1 else chunk_layout.to_sequence_order(gathered, _size(self.group),
+                                                                                  self.blocks)
+
+    def linears(self, gathered: Tensor, x: Tensor, weights, biases) -> tuple[Tensor, ...]:
+        """F.linear(x, w, b) for each weight, x = in_order(gathered) the finished all-gather in sequence order:
+        the other ranks' rows only when this rank's are in (set_linears), the pieces placed in sequence order."""
         local, self._local = self._local, None
         if local is None:
             return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
         dim = self.dim % x.dim()
-        me, s = dist.get_rank(self.group), local[0].shape[dim]
-        return tuple(torch.cat([loc if r == me else F.linear(x.narrow(dim, r * s, s), w, b)
-                                for r in range(_size(self.group))], dim)
-                     for loc, w, b in zip(local, weights, biases))
+        me, s, k = dist.get_rank(self.group), local[0].shape[dim], self.blocks
+        outs = []
+        for loc, w, b in zip(local, weights, biases):
+            parts = [loc if r == me else F.linear(gathered.narrow(dim, r * s, s), w, b)
+                     for r in range(_size(self.group))]
+            outs.append(torch.cat([p.narrow(dim, j * (s // k), s // k) for j in range(k) for p in parts], dim))
+        return tuple(outs)
 
     def finish(self, phase: str) -> Tensor:
         work, finish, nbytes, t0, kind = self._pending
@@ -162,10 +182,11 @@ class _WaitLinears(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, token: Tensor, link: AsyncCollective, n: int, *wb):
-        x = link.finish("fwd")
+        gathered = link.finish("fwd")
         record("compute", f"{link.name}:gemm", "fwd", link.copy)
         ws, bs = wb[:n], wb[n:]
-        outs = link.linears(x, ws, bs)
+        x = link.in_order(gathered)
+        outs = link.linears(gathered, x, ws, bs)
         ctx.link, ctx.n, ctx.has_bias = link, n, tuple(b is not None for b in bs)
         ctx.save_for_backward(x, *ws)
         return outs
@@ -180,13 +201,19 @@ class _WaitLinears(torch.autograd.Function):
             if g is not None:
                 d = g.matmul(w)
                 dx = d if dx is None else dx.add_(d)
+        if link.blocks > 1:  # back to the gathered order
+            dx = chunk_layout.from_sequence_order(dx, _size(link.group), link.blocks)
         link.start(dx, "bwd")  # the input-grad collective runs while the weight grads are computed
         record("compute", f"{link.name}:wgrad", "bwd", link.copy)
         x2 = x.reshape(-1, x.shape[-1])
         dws, dbs = [], []
-        for g, w, has_b in zip(grads, ws, ctx.has_bias):
+        for i, (g, w, has_b) in enumerate(zip(grads, ws, ctx.has_bias)):
             g2 = None if g is None else g.reshape(-1, g.shape[-1])
-            dws.append(None if g2 is None else g2.t().matmul(x2))
+            if i == 0 and g is not None and link.deferred is not None:
+                link.deferred.put(g, x)  # computed later, beside a collective at the end of the backward
+                dws.append(None)
+            else:
+                dws.append(None if g2 is None else g2.t().matmul(x2))
             dbs.append(None if g2 is None or not has_b else g2.sum(0))
         return (dx.new_empty(0), None, None, *dws, *dbs)
 

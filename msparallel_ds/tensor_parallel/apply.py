@@ -22,7 +22,8 @@ styles, never a model's module names:
 | sequence_scatter_input         | (SP) first decoder layer: keeps this rank's slice of hidden_states             |
 | sequence_gather_input          | (SP) attention / MLP block: all-gathers hidden_states once for its colwise     |
 |                                | layers (backward reduce-scatters); its rowwise layer reduce-scatters back      |
-| sequence_gather_input_replicated | (SP) replicated output head: all-gathers its input (backward keeps this slice) |
+| sequence_gather_input_replicated | (SP) output head -> ReplicatedLMHead (the same replicated weights): all-   |
+|                                  | gathers its input; backward keeps this rank's slice                        |
 | copy_input                     | (no SP) a block whose inner layers take partial grads: identity forward, its   |
 |                                | input grad all-reduced once in backward (Megatron's f, for the whole block)    |
 
@@ -47,10 +48,10 @@ from torch import Tensor, nn
 from ..labels import IGNORE_INDEX
 from ..models import DecoderAdapter, adapter_for
 from .layers import ColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear
-from .mappings import copy_to_region, gather_from_region, gather_from_sequence_region, scatter_to_region
+from .mappings import copy_to_region, gather_from_sequence_region, scatter_to_region
 from .replicated import mark
 from .spec import compile_pattern, style_of
-from .vocab import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from .vocab import ParallelLMHead, ReplicatedLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 if TYPE_CHECKING:
     from ..distributed.layout import ParallelLayout
@@ -82,11 +83,6 @@ def _map_hidden_input(module: nn.Module, fn) -> None:
     module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def _in_order(module: nn.Module, gathered: Tensor) -> Tensor:
-    order = module.gathered_order
-    return gathered if order is None else order(gathered)
-
-
 def _set(part: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(part.get_submodule(parent) if parent else part, child, new)
@@ -105,6 +101,8 @@ def _replacement(name: str, style: str, module: nn.Module, group, sp: bool, n_kv
         return ReplicatedKVLinear(module, group, n_kv, input_is_gathered=sp)
     if style == "vocab_embedding":
         return VocabParallelEmbedding.from_embedding(module, group)
+    if style == "sequence_gather_input_replicated":
+        return ReplicatedLMHead(module, group, SEQ_DIM)
     return ParallelLMHead.from_linear(module, group, sequence_parallel=sp)  # vocab_lm_head
 
 
@@ -130,9 +128,6 @@ def apply_tp(part: nn.Module, layout: ParallelLayout, adapter: DecoderAdapter, p
             _map_hidden_input(module, lambda x: scatter_to_region(x, group, SEQ_DIM))
         elif style == "sequence_gather_input":
             _map_hidden_input(module, lambda x: gather_from_sequence_region(x, group, SEQ_DIM))
-        elif style == "sequence_gather_input_replicated":  # gathered_order: as ParallelLMHead's (vocab.py)
-            module.gathered_order = None
-            _map_hidden_input(module, lambda x, m=module: _in_order(m, gather_from_region(x, group, SEQ_DIM)))
         elif style == "copy_input":
             _map_hidden_input(module, lambda x: copy_to_region(x, group))
         else:

@@ -18,11 +18,11 @@ from torch import Tensor, nn
 from ..distributed.collectives import all_reduce
 from ..labels import IGNORE_INDEX
 from .layers import ColumnParallelLinear, _cut, divide
-from .mappings import (gather_from_region, gather_from_sequence_region, reduce_from_region,
-                       reduce_scatter_to_sequence_region)
+from .mappings import gather_from_region, reduce_from_region, reduce_scatter_to_sequence_region
 from .spec import STYLE_PARAM_SHARDS
 
-__all__ = ["VocabParallelEmbedding", "check_ids_in_vocab", "vocab_parallel_cross_entropy", "ParallelLMHead"]
+__all__ = ["VocabParallelEmbedding", "check_ids_in_vocab", "vocab_parallel_cross_entropy", "ParallelLMHead",
+           "ReplicatedLMHead"]
 
 _VOCAB_FIX = ("; or pad the vocab (model.resize_token_embeddings(n, pad_to_multiple_of=tp)), or keep "
               "vocab_emb_dp: true")
@@ -142,6 +142,29 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return out.to(ctx.dtype), None, None, None, None
 
 
+class ReplicatedLMHead(nn.Linear):
+    """The output head whole on every tp rank (vocab_emb_dp) under sequence parallel: the sequence-sharded hidden
+    states are all-gathered, then the full GEMM; backward keeps this rank's slice of the input grad (every rank
+    computed the same loss, so nothing is summed). The same parameters as the nn.Linear it replaces (a tied
+    embedding stays tied). `producer`: a producer of the input whose tokens are not in sequence order, or that
+    overlaps the gather (the interleave, multi_copy._Head), runs the gather and the GEMM as producer(head, x)."""
+
+    gather_kind = "gather_replicated"  # interleave.overlap's kind: all-gather, backward this rank's slice
+    producer: Optional[Callable[[nn.Module, Tensor], Tensor]] = None
+
+    def __init__(self, linear: nn.Linear, group, seq_dim: int = 1):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features, self.group, self.seq_dim = (linear.in_features, linear.out_features,
+                                                                         group, seq_dim)
+        self.weight = linear.weight
+        self.register_parameter("bias", linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.producer is not None:
+            return self.producer(self, x)
+        return F.linear(gather_from_region(x, self.group, self.seq_dim), self.weight, self.bias)
+
+
 def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, group, ignore_index: int = IGNORE_INDEX,
                                  reduction: str = "mean") -> Tensor:
     """F.cross_entropy over the full vocab, from this rank's logits shard [..., V/tp] (rank r: ids r*V/tp...) and
@@ -170,19 +193,18 @@ class ParallelLMHead(ColumnParallelLinear):
 
     _style = "vocab_lm_head"
     _divide_hint = _VOCAB_FIX
+    producer: Optional[Callable[[nn.Module, Tensor], Tensor]] = None  # see ReplicatedLMHead
 
     def __init__(self, in_features: int, vocab_size: int, bias: bool, group, *, sequence_parallel: bool = False,
                  seq_dim: int = 1, device=None, dtype=None):
         super().__init__(in_features, vocab_size, bias, group, gather_output=False,
                          sequence_parallel=sequence_parallel, seq_dim=seq_dim, device=device, dtype=dtype)
-        if sequence_parallel:  # a producer whose tokens are not in sequence order reorders the gathered input here
-            self.gathered_order: Optional[Callable[[Tensor], Tensor]] = None  # (interleave's chunk layout)
+        self.gather_kind = "all_gather" if sequence_parallel else None  # backward: reduce-scatter
 
     def forward(self, x: Tensor) -> Tensor:
-        order = getattr(self, "gathered_order", None)
-        if order is None:
-            return super().forward(x)
-        return F.linear(order(gather_from_sequence_region(x, self.group, self.seq_dim)), self.weight, self.bias)
+        if self.producer is not None and self.gather_kind is not None:
+            return self.producer(self, x)
+        return super().forward(x)
 
     def loss(self, hidden: Tensor, target: Tensor, ignore_index: int = IGNORE_INDEX, reduction: str = "mean") -> Tensor:
         return vocab_parallel_cross_entropy(self(hidden), target, self.group, ignore_index, reduction)
