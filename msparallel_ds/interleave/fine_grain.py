@@ -266,7 +266,7 @@ def decoder_steps(layers: list, h: Tensor, kw: dict[str, Any], *, n: int = 1, co
     (multi_copy.copy_lag). scatter_group: the tp group when layers[0] is the model's layer 0 under SP (h is then
     the whole sequence); if that layer is decomposable the scatter its pre-hook would do is done here, else the
     layer runs whole with its own pre-hook. stay_chunked: a last run in the chunk layout is not moved back (the
-    caller's output head reorders the gathered sequence, chunk_layout.to_sequence_order). The scatter is async
+    caller's output head takes the gathered blocks in sequence order, multi_copy._Head). The scatter is async
     (deferred.scatter: its backward all-gather in flight beside other copies' layer-0 backward and, with `wgrad`,
     this copy's part of the output head's deferred weight grad). Returns (the chunks' outputs, (tp, n) if they
     are in the chunk layout else None)."""
