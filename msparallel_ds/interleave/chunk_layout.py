@@ -14,8 +14,9 @@ Entering the chunk layout at the model's layer 0 is free (the whole sequence is 
 permute, then take this rank's slice); elsewhere, and leaving it, is one all-to-all of the blocks that change rank
 (half of them at tp=2). So a run uses it when its entry is that scatter or it has at least two layers (one
 all-to-all in, one out, against one barrier per layer). A run that ends at a whole model's last layer need not
-leave it: the final norm is per token, and the output head all-gathers the sequence anyway, so the head reorders
-the gathered blocks locally (`to_sequence_order`) and the all-to-all is not made (multi_copy.install).
+leave it: the final norm is per token, and the output head all-gathers the sequence anyway, so the head takes the
+gathered blocks in sequence order locally (`to_sequence_order`, overlap's `blocks`) and the all-to-all is not made
+(multi_copy._Head).
 """
 from __future__ import annotations
 

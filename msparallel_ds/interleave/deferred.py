@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ..distributed.instruments import record
-from .overlap import AsyncCollective, issue, wait
+from .overlap import AsyncCollective, issue, wait, weight_grad
 
 __all__ = ["DeferredWgrad", "scatter"]
 
@@ -53,7 +53,7 @@ class DeferredWgrad:
         if not self._left:
             self._saved = None  # the last part: free the head's grad output
         record("compute", "output_head:wgrad_deferred", "bwd", copy)
-        return g.reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])).to(self.weight.dtype)
+        return weight_grad(g, x).to(self.weight.dtype)
 
 
 class _ScatterWait(torch.autograd.Function):

@@ -186,9 +186,9 @@ class _Head:
         link = AsyncCollective(head.gather_kind, head.group, head.seq_dim, name="output_head")
         if layout is not None:
             link.blocks = layout[1]
-        box = self.stack.wgrad
-        if box is not None and box.ready and box.weight is head.weight and head.gather_kind == "gather_replicated":
-            link.deferred = box  # (a vocab-parallel head's weight grad already hides its input-grad reduce-scatter)
+        box = self.stack.wgrad  # made by _arm for this head's weight only
+        if box is not None and box.ready:
+            link.deferred = box
         return wait_linears(issue(x, link, linears=((head.weight,), (head.bias,))), link)[0]
 
     def _arm(self, part, args, kwargs) -> None:
@@ -200,6 +200,7 @@ class _Head:
         hidden = getattr(part.config, "output_hidden_states", False) if hidden is None else hidden
         stack, weight = self.stack, self.head.weight
         stack.stay_chunked = not hidden and not given.get("logits_to_keep")
+        # not a vocab-parallel head: its weight-grad GEMM already hides its input-grad reduce-scatter
         defer = (stack.stay_chunked and stack.scatter_group is not None and torch.is_grad_enabled()
                  and weight.requires_grad and self.head.gather_kind == "gather_replicated")
         stack.wgrad = DeferredWgrad(weight, stack.n_copies) if defer else None

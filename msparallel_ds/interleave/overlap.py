@@ -39,7 +39,7 @@ from ..distributed.collectives import _chunk, _size, _unsupported, split_along, 
 from ..distributed.instruments import bus_bytes, record
 from . import chunk_layout
 
-__all__ = ["AsyncCollective", "issue", "wait", "wait_linears", "mark_compute"]
+__all__ = ["AsyncCollective", "issue", "wait", "wait_linears", "mark_compute", "weight_grad"]
 
 _TRANSPOSE = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_reduce": "identity",
               "identity": "all_reduce", "scatter": "all_gather", "gather_replicated": "scatter"}
@@ -152,6 +152,11 @@ class AsyncCollective:
         return finish()
 
 
+def weight_grad(grad_out: Tensor, x: Tensor) -> Tensor:
+    """A linear's weight grad, grad_out^T x summed over every leading (row, token) dim."""
+    return grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+
+
 class _Issue(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, link: AsyncCollective) -> Tensor:
@@ -205,16 +210,14 @@ class _WaitLinears(torch.autograd.Function):
             dx = chunk_layout.from_sequence_order(dx, _size(link.group), link.blocks)
         link.start(dx, "bwd")  # the input-grad collective runs while the weight grads are computed
         record("compute", f"{link.name}:wgrad", "bwd", link.copy)
-        x2 = x.reshape(-1, x.shape[-1])
         dws, dbs = [], []
         for i, (g, w, has_b) in enumerate(zip(grads, ws, ctx.has_bias)):
-            g2 = None if g is None else g.reshape(-1, g.shape[-1])
             if i == 0 and g is not None and link.deferred is not None:
                 link.deferred.put(g, x)  # computed later, beside a collective at the end of the backward
                 dws.append(None)
             else:
-                dws.append(None if g2 is None else g2.t().matmul(x2))
-            dbs.append(None if g2 is None or not has_b else g2.sum(0))
+                dws.append(None if g is None else weight_grad(g, x))
+            dbs.append(None if g is None or not has_b else g.reshape(-1, g.shape[-1]).sum(0))
         return (dx.new_empty(0), None, None, *dws, *dbs)
 
 
