@@ -126,12 +126,14 @@ def test_input_grad_collective_in_flight_during_weight_grad(logs):
 
 
 @pytest.mark.parametrize("name", ["sp_n1", "sp_n2", "sp_fine_grain2"])
-def test_gather_multiplies_own_rows_in_flight(logs, name):
-    """Local-first: right after each QKV / gate-up all-gather is issued, the copy multiplies its own rows (the
-    gather's window holds the copy's own GEMM, also at N = 1); reduce-scatters and backward have no such step."""
+def test_collectives_multiply_own_rows_in_flight(logs, name):
+    """Local-first gathers, remote-first reduce-scatters: right after each QKV / gate-up all-gather, and each
+    out-proj / down-proj reduce-scatter, is issued, the copy multiplies its own rows (the collective's window holds
+    the copy's own GEMM, also at N = 1); the backward has no such step."""
     log = logs[0][name][0]
-    issued = [i for i, (e, c, p, n) in enumerate(log) if e == "issue" and p == "fwd" and n.endswith(":all_gather")]
-    assert len(issued) == 2 * 4 * (2 if name == "sp_n2" else 1) * (2 if name.endswith("grain2") else 1)
+    issued = [i for i, (e, c, p, n) in enumerate(log) if e == "issue" and p == "fwd"
+              and n.endswith((":all_gather", ":reduce_scatter")) and not n.startswith(ENDS)]
+    assert len(issued) == 4 * 4 * (2 if name == "sp_n2" else 1) * (2 if name.endswith("grain2") else 1)
     for i in issued:
         _, copy, _, name_ = log[i]
         assert log[i + 1] == ("compute", copy, "fwd", name_.split(":")[0] + ":gemm_local"), log[i:i + 2]

@@ -14,9 +14,9 @@ the chunk waits for its result only when it resumes:
     A  wait(prev layer's FFN reduce) + residual, norm, issue gather (+ q/k/v GEMMs of this rank's own rows with
        SP) -> yield -> wait + the other rows' q/k/v GEMMs (wait_linears); wait (yielding) until the q/k/v the
        attention needs are in
-    B  attention -> yield -> out-proj, issue reduce -> yield -> wait + residual, norm, issue gather (+ own rows'
-       gate/up) -> yield -> wait + gate/up GEMMs -> yield -> act, down-proj, issue reduce -> yield; the result is
-       waited at the next A
+    B  attention -> yield -> out-proj, issue reduce (+ own rows' out-proj with SP) -> yield -> wait + residual,
+       norm, issue gather (+ own rows' gate/up) -> yield -> wait + gate/up GEMMs -> yield -> act, down-proj, issue
+       reduce (+ own rows' down-proj) -> yield; the result is waited at the next A
 The yields without a collective split each GEMM block in two, so every collective of another copy has a GEMM
 step (not only a norm) between its issue and its wait.
 
@@ -50,7 +50,6 @@ from functools import partial
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..models import LayerParts
@@ -59,7 +58,7 @@ from ..tensor_parallel.mappings import copy_to_region
 from . import chunk_layout, deferred
 from .chunk_layout import SEQ_DIM, join_chunks, split_chunks
 from .deferred import DeferredWgrad
-from .overlap import AsyncCollective, issue, mark_compute, wait, wait_linears
+from .overlap import AsyncCollective, issue, issue_linear, mark_compute, wait, wait_linears
 from .schedule import round_robin
 
 __all__ = ["decoder_steps", "decomposable", "split_chunks", "join_chunks", "Pending", "SEQ_DIM"]
@@ -237,9 +236,8 @@ def _chunk_steps(run: list, shared_layers: list, h, j: int, lag: int):
             # behind even ones, so the step inside each reduce-scatter's or gather's window is another chunk's GEMM
             # or attention block, not the same short norm step (lockstep)
             yield
-        y = mark_compute(F.linear(o, parts.attn_out.weight), f"L{index}.attn_out")
         link = AsyncCollective(kinds.reduce, kinds.group, SEQ_DIM, name=f"L{index}.attn_out")
-        token = issue(y, link)
+        token = issue_linear(mark_compute(o, f"L{index}.attn_out"), parts.attn_out.weight, link)  # remote-first
         yield
         h = Pending(residual, token, link, parts.attn_out).result()
         x = mark_compute(parts.post_norm(h), f"L{index}.norm2")
@@ -248,9 +246,9 @@ def _chunk_steps(run: list, shared_layers: list, h, j: int, lag: int):
         yield
         gate, up = wait_linears(token, link)
         yield  # gate/up and act + down-proj are two steps, like the attention block
-        y = F.linear(mark_compute(parts.act(gate) * up, f"L{index}.ffn"), parts.ffn_out.weight)
+        y = mark_compute(parts.act(gate) * up, f"L{index}.ffn")
         link = AsyncCollective(kinds.reduce, kinds.group, SEQ_DIM, name=f"L{index}.ffn_out")
-        h = Pending(h, issue(y, link), link, parts.ffn_out)
+        h = Pending(h, issue_linear(y, parts.ffn_out.weight, link), link, parts.ffn_out)
         yield  # in flight while the other chunks/copies run; waited at the next layer's norm (or by the caller)
     return h
 

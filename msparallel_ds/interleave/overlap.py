@@ -4,7 +4,9 @@
 `wait(token, link)`, or between `issue(x, link, linears=(weights, biases))` and `wait_linears(token, link)`, which
 also runs those colwise GEMMs on the result. Such an all-gather multiplies this rank's own rows at once, while the
 other ranks' rows are in flight, and the rest after the wait (the local-first split of Megatron's and torch's
-async TP): the copy's own GEMM widens its collective's window, not only other copies' steps.
+async TP): the copy's own GEMM widens its collective's window, not only other copies' steps. Its mirror for a
+row-parallel linear's reduce-scatter, `issue_linear(x, weight, link)`, is remote-first: the rows other ranks keep
+are multiplied and sent, then this rank's own rows are multiplied while they travel and added at the wait.
 
 Forward: issue starts the collective (async_op=True) and returns a 0-size token that only links the two autograd
 nodes; wait finishes it and returns the result. Backward swaps the roles: wait's backward starts the transposed
@@ -39,7 +41,7 @@ from ..distributed.collectives import _chunk, _size, _unsupported, split_along, 
 from ..distributed.instruments import bus_bytes, record
 from . import chunk_layout
 
-__all__ = ["AsyncCollective", "issue", "wait", "wait_linears", "mark_compute", "weight_grad"]
+__all__ = ["AsyncCollective", "issue", "issue_linear", "wait", "wait_linears", "mark_compute", "weight_grad"]
 
 _TRANSPOSE = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_reduce": "identity",
               "identity": "all_reduce", "scatter": "all_gather", "gather_replicated": "scatter"}
@@ -91,6 +93,9 @@ class AsyncCollective:
         self._pending: Optional[tuple] = None
         self._linears: Optional[tuple] = None  # (weights, biases) of the GEMMs that consume the result
         self._local: Optional[tuple] = None  # this rank's rows through them (set_linears)
+        self.addend: Optional[Tensor] = None  # a remote-first reduce-scatter's own rows, added at the wait
+        self.rows: Optional[tuple] = None  # issue_linear's (dim, this rank, rows per rank)
+        self.grad_own: Optional[Tensor] = None  # and its output grad for this rank's rows (the wait's backward)
         self.deferred = None  # a DeferredWgrad: wait_linears' backward leaves its first weight's grad to it
         # > 1: an all-gather of the chunk layout (rank r's rows are the sequence's blocks j*tp + r, j < blocks);
         # wait_linears' outputs and the grads it takes are in sequence order (chunk_layout.py)
@@ -173,12 +178,56 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, token: Tensor, link: AsyncCollective) -> Tensor:
         ctx.link = link
-        return link.finish("fwd")
+        out, own, link.addend = link.finish("fwd"), link.addend, None
+        return out if own is None else out + own  # own: issue_linear's own rows (its backward takes their grad)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         ctx.link.start(grad, "bwd")
+        if ctx.link.rows is not None:  # issue_linear's: its backward multiplies these (own) rows before its wait
+            ctx.link.grad_own = grad
         return grad.new_empty(0), None
+
+
+class _IssueLinear(torch.autograd.Function):
+    """issue() of F.linear(x, w) under a reduce-scatter, remote-first: the rows that other ranks keep are
+    multiplied and their reduce-scatter started (this rank's block zero), then this rank's own rows are multiplied
+    while it is in flight and kept as the wait's addend. Backward, the mirror: the own rows' dgrad and wgrad with
+    this rank's output grad (kept by the wait's backward, which started the all-gather of every rank's), then the
+    wait and the other rows' GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, link: AsyncCollective) -> Tensor:
+        dim, me, n = link.dim % x.dim(), dist.get_rank(link.group), _size(link.group)
+        s = _chunk(x, link.group, dim)
+        rows = [x.narrow(dim, r * s, s) for r in range(n)]
+        blocks = [None if r == me else F.linear(rows[r], w) for r in range(n)]
+        blocks[me] = torch.zeros_like(blocks[(me + 1) % n])
+        link.start(torch.cat(blocks, dim), "fwd")
+        link.addend = F.linear(rows[me], w)
+        record("compute", f"{link.name}:gemm_local", "fwd", link.copy)
+        link.rows = (dim, me, s)
+        ctx.link = link
+        ctx.save_for_backward(x, w)
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token_grad):
+        link, (x, w) = ctx.link, ctx.saved_tensors
+        (dim, me, s), g_own, link.grad_own = link.rows, link.grad_own, None
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        dxs = [None] * (x.shape[dim] // s)
+        dxs[me] = g_own.matmul(w) if need_dx else None
+        dw = weight_grad(g_own, x.narrow(dim, me * s, s)) if need_dw else None
+        record("compute", f"{link.name}:grad_local", "bwd", link.copy)
+        g = link.finish("bwd")  # every rank's rows
+        for r in range(len(dxs)):
+            if r != me:
+                g_r = g.narrow(dim, r * s, s)
+                dxs[r] = g_r.matmul(w) if need_dx else None
+                if need_dw:
+                    dw.add_(weight_grad(g_r, x.narrow(dim, r * s, s)))
+        return (torch.cat(dxs, dim) if need_dx else None), dw, None
 
 
 class _WaitLinears(torch.autograd.Function):
@@ -243,6 +292,14 @@ def issue(x: Tensor, link: AsyncCollective, linears: Optional[tuple] = None) -> 
     if linears is not None:
         link.set_linears(x, *linears)
     return token
+
+
+def issue_linear(x: Tensor, weight: Tensor, link: AsyncCollective) -> Tensor:
+    """issue(F.linear(x, weight), link): a row-parallel linear's partial output into link's reduce. A
+    reduce-scatter's rows are multiplied remote-first (_IssueLinear), so this rank's own rows are its window."""
+    if link.kind != "reduce_scatter" or _size(link.group) == 1:
+        return issue(F.linear(x, weight), link)
+    return _IssueLinear.apply(x, weight, link)
 
 
 def wait(token: Tensor, link: AsyncCollective) -> Tensor:
