@@ -178,3 +178,16 @@ def test_n1_has_no_cross_copy_overlap(logs):
     for phase in ("fwd", "bwd"):
         wins = _windows(log, phase)
         assert len(wins) == 4 * 4 and not any(w[2] for w in wins)
+
+
+@pytest.mark.parametrize("name,copies,halves", [("sp_n2", 2, True), ("sp_n4", 4, False), ("sp_n1", 1, True)])
+def test_attention_cut_in_two_steps_by_rows(logs, name, copies, halves):
+    """A copy with >= 2 rows runs its (local, sdpa) attention as two steps, one per half of its rows, so another
+    copy's step lies between the halves; with one row per copy (N = 4 here) the attention is one step."""
+    log = logs[0][name][0]
+    for copy in range(copies):
+        for layer in range(4):
+            at = [i for i, e in enumerate(log) if e == ("compute", copy, "fwd", f"L{layer}.attention")]
+            assert len(at) == (2 if halves else 1), (copy, layer, at)
+            if halves and copies > 1:
+                assert any(log[k][0] == "compute" and log[k][1] != copy for k in range(at[0] + 1, at[1])), at

@@ -14,11 +14,14 @@ the chunk waits for its result only when it resumes:
     A  wait(prev layer's FFN reduce) + residual, norm, issue gather (+ q/k/v GEMMs of this rank's own rows with
        SP) -> yield -> wait + the other rows' q/k/v GEMMs (wait_linears); wait (yielding) until the q/k/v the
        attention needs are in
-    B  attention -> yield -> out-proj, issue reduce (+ own rows' out-proj with SP) -> yield -> wait + residual,
-       norm, issue gather (+ own rows' gate/up) -> yield -> wait + gate/up GEMMs -> yield -> act, down-proj, issue
-       reduce (+ own rows' down-proj) -> yield; the result is waited at the next A
-The yields without a collective split each GEMM block in two, so every collective of another copy has a GEMM
-step (not only a norm) between its issue and its wait.
+    B  attention of the first half of the batch rows -> yield -> the other half, out-proj, issue reduce (+ own
+       rows' out-proj with SP: remote-first, overlap.issue_linear) -> yield -> wait + residual, norm, issue gather
+       (+ own rows' gate/up) -> yield -> wait + the other rows' gate/up, act -> yield -> down-proj, issue reduce
+       (+ own rows' down-proj) -> yield; the result is waited at the next A
+The yields without a collective cut a layer into six steps of about even cost, so every collective of another
+copy has a GEMM or attention step (not only a norm) between its issue and its wait, forward and (autograd runs
+the steps' nodes in reverse) backward. The attention is cut by batch rows where it is the chunk's own and local
+(sdpa / eager, >= 2 rows; _SharedLayer.halves); otherwise it is one step, and a yield follows it.
 
 Collectives: with sequence parallel the gather is an all-gather and the reduce a reduce-scatter along the sequence
 (backward: the transposes); without it the gather is Megatron's f (identity, all-reduce of the input grad) and the
@@ -161,7 +164,8 @@ class _SharedLayer:
         self.qkv_w, self.qkv_b = zip(*(_col_weights(m) for m in parts.qkv))
         self.gate_up_w, self.gate_up_b = zip(*(_col_weights(m) for m in parts.ffn_in))
         self.order_tp = self.kinds.tp if self.kinds.sp else 1
-        self.by_rows = n > 1 and parts.row_blocks()
+        self.local = parts.row_blocks()  # a local attention function, causal: row blocks and batch halves
+        self.by_rows = n > 1 and self.local
         self.qkv: Optional[list] = [None] * n  # rank layout: dropped once the heads are made; chunk layout: heads
         self.arrived = 0
         self.heads = self.outs = None
@@ -186,13 +190,39 @@ class _SharedLayer:
         size = x.shape[SEQ_DIM if x.dim() == 3 else 2]
         return j * size, (j + 1) * size
 
-    def output(self, j: int) -> tuple[Tensor, bool]:
-        """(chunk j's attention output [b, tp*s_c, h*d] in chunk order, whether this call ran the whole attention)."""
+    def halves(self, j: int) -> bool:
+        """Whether chunk j's attention runs as two steps, one per half of its batch rows: it is the chunk's own
+        (one chunk, or the chunk layout), the attention function is local (sdpa / eager, no cp) and there are >= 2
+        rows. Rows are independent, so the halves change no value; the step boundary inside the attention is
+        where the other copies' collectives get the most even windows (benchmarks/README.md, twelfth pass)."""
+        return (self.n == 1 or self.chunked) and self.local and self.qkv[j][0].shape[0] >= 2
+
+    def _own(self, j: int) -> tuple[Tensor, Tensor, Tensor, Optional[tuple[int, int]]]:
+        """(q, k, v, rows) of chunk j's own attention: the chunk layout's block j against keys 0..j, or the one
+        chunk's whole sequence (its heads made here)."""
         if self.chunked:
             q = self.qkv[j][0]
             k, v = (c[0] if j == 0 else torch.cat(c, 2) for c in zip(*(h[1:] for h in self.qkv[:j + 1])))
-            o = self.parts.attend(q, k, v, self.kw, self._rows(j, q))
-            return mark_compute(o, f"L{self.index}.attention"), False
+            return q, k, v, self._rows(j, q)
+        if self.heads is None:
+            self.heads = self.parts.heads(*self.qkv[0], self.kw)
+            self.qkv = [self.heads]  # rows only (halves)
+        return (*self.heads, None)
+
+    def output_half(self, j: int, half: int) -> Tensor:
+        """Chunk j's attention output of the first or second half of its batch rows (see halves)."""
+        q, k, v, rows = self._own(j)
+        b = q.shape[0]
+        cut = slice(0, (b + 1) // 2) if half == 0 else slice((b + 1) // 2, b)
+        kw = {key: val[cut] if torch.is_tensor(val) and val.dim() and val.shape[0] == b else val
+              for key, val in self.kw.items()}
+        return mark_compute(self.parts.attend(q[cut], k[cut], v[cut], kw, rows), f"L{self.index}.attention")
+
+    def output(self, j: int) -> tuple[Tensor, bool]:
+        """(chunk j's attention output [b, tp*s_c, h*d] in chunk order, whether this call ran the whole attention)."""
+        if self.chunked:
+            q, k, v, rows = self._own(j)
+            return mark_compute(self.parts.attend(q, k, v, self.kw, rows), f"L{self.index}.attention"), False
         if self.heads is None:
             self.heads = self.parts.heads(*(_to_sequence_order([c[i] for c in self.qkv], self.order_tp)
                                             for i in range(3)), self.kw)
@@ -230,12 +260,17 @@ def _chunk_steps(run: list, shared_layers: list, h, j: int, lag: int):
             yield  # so chunk 0, not the last to arrive, goes first across the barrier
         while not shared.ready(j):
             yield
-        o, ran_whole = shared.output(j)
-        if ran_whole or shared.chunked or (barrier and j % 2):
-            # attention and out-proj are two steps here (as at one chunk): behind the barrier, odd chunks run a step
-            # behind even ones, so the step inside each reduce-scatter's or gather's window is another chunk's GEMM
-            # or attention block, not the same short norm step (lockstep)
+        if shared.halves(j):  # the attention as two steps (batch-row halves); the second shares the out-proj's
+            first = shared.output_half(j, 0)
             yield
+            o = torch.cat([first, shared.output_half(j, 1)], 0)
+        else:
+            o, ran_whole = shared.output(j)
+            if ran_whole or shared.chunked or (barrier and j % 2):
+                # attention and out-proj are two steps here: behind the barrier, odd chunks run a step behind even
+                # ones, so the step inside each reduce-scatter's or gather's window is another chunk's GEMM or
+                # attention block, not the same short norm step (lockstep)
+                yield
         link = AsyncCollective(kinds.reduce, kinds.group, SEQ_DIM, name=f"L{index}.attn_out")
         token = issue_linear(mark_compute(o, f"L{index}.attn_out"), parts.attn_out.weight, link)  # remote-first
         yield
@@ -245,8 +280,8 @@ def _chunk_steps(run: list, shared_layers: list, h, j: int, lag: int):
         token = issue(x, link, (shared.gate_up_w, shared.gate_up_b))
         yield
         gate, up = wait_linears(token, link)
-        yield  # gate/up and act + down-proj are two steps, like the attention block
         y = mark_compute(parts.act(gate) * up, f"L{index}.ffn")
+        yield  # the other rows' gate/up + act, and down-proj, are two steps
         link = AsyncCollective(kinds.reduce, kinds.group, SEQ_DIM, name=f"L{index}.ffn_out")
         h = Pending(h, issue_linear(y, parts.ffn_out.weight, link), link, parts.ffn_out)
         yield  # in flight while the other chunks/copies run; waited at the next layer's norm (or by the caller)

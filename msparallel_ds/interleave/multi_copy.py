@@ -5,11 +5,12 @@ The schedule is written once, for any N: every copy is a generator (`copy_steps`
 steps (fine_grain.decoder_steps) and yields right after it has started a collective (overlap.issue, async_op=True);
 `round_robin` resumes the copies in turn, and a copy waits for its collective only when it resumes and needs the
 result. With SP, per layer and copy: [norm, all-gather, QKV of own rows] [wait, QKV of the others' rows,
-attention] [out-proj, reduce-scatter] [wait, residual, norm, all-gather, gate/up of own rows] [wait, gate/up of
-the others' rows] [act, down-proj, reduce-scatter] (overlap.set_linears: a gather's window holds the copy's own
-GEMM too). Copy c starts c % 3 steps behind copy 0 (copy_lag), so the step another copy runs inside a
-norm-step's window is a GEMM step, not the same short norm step (in lockstep every second collective had only a
-norm to hide behind).
+attention of half the rows] [attention of the other half, out-proj, reduce-scatter, out-proj of own rows] [wait,
+residual, norm, all-gather, gate/up of own rows] [wait, gate/up of the others' rows, act] [down-proj,
+reduce-scatter, down-proj of own rows] (overlap: a gather's window holds the copy's own rows' GEMM, a
+reduce-scatter's too, remote-first). Copy c starts c % 3 steps behind copy 0 (copy_lag), so the step another copy
+runs inside a norm-step's window is a GEMM step, not the same short norm step (in lockstep every second collective
+had only a norm to hide behind).
 
 Backward needs no scheduler: eager autograd runs ready nodes in reverse creation order, so the interleaved forward
 gives an interleaved backward. Each wait node's backward starts the transposed collective (reduce-scatter of the

@@ -298,7 +298,7 @@ def issue_linear(x: Tensor, weight: Tensor, link: AsyncCollective) -> Tensor:
     """issue(F.linear(x, weight), link): a row-parallel linear's partial output into link's reduce. A
     reduce-scatter's rows are multiplied remote-first (_IssueLinear), so this rank's own rows are its window."""
     if link.kind != "reduce_scatter" or _size(link.group) == 1:
-        return issue(F.linear(x, weight), link)
+        return issue(mark_compute(F.linear(x, weight), f"{link.name}:gemm"), link)
     return _IssueLinear.apply(x, weight, link)
 
 
