@@ -64,7 +64,7 @@ from .deferred import DeferredWgrad
 from .overlap import AsyncCollective, issue, issue_linear, mark_compute, wait, wait_linears
 from .schedule import round_robin
 
-__all__ = ["decoder_steps", "decomposable", "split_chunks", "join_chunks", "Pending", "SEQ_DIM"]
+__all__ = ["decoder_steps", "decomposable", "split_chunks", "join_chunks", "split_rows", "Pending", "SEQ_DIM"]
 
 # ---------------------------------------------------------------------------------------------- the layer's parts
 def decomposable(layer: nn.Module, parts: Optional[LayerParts]) -> bool:
@@ -138,6 +138,17 @@ def _to_chunk_order(x: Tensor, n: int, tp: int) -> list[Tensor]:
     return [y[:, j].reshape(b, -1, f) for j in range(n)]
 
 
+def split_rows(value: Any, rows: int, n: int) -> list:
+    """value split into n along dim 0 if it is per-row (dim 0 == rows), else n references to it (the copies' and
+    the attention halves' HF layer kwargs)."""
+    if torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == rows:
+        return list(value.chunk(n, 0))
+    if isinstance(value, tuple) and value and all(torch.is_tensor(v) for v in value):
+        parts = [split_rows(v, rows, n) for v in value]
+        return [tuple(p[c] for p in parts) for c in range(n)]
+    return [value] * n
+
+
 # ---------------------------------------------------------------------------------------------- attention
 def _chunk_rows(j: int, n: int, tp: int, seq: int) -> list[tuple[int, int]]:
     """The query rows, in sequence order, of gathered chunk j: every tp rank's j-th 1/n of its sequence slice."""
@@ -206,17 +217,16 @@ class _SharedLayer:
             return q, k, v, self._rows(j, q)
         if self.heads is None:
             self.heads = self.parts.heads(*self.qkv[0], self.kw)
-            self.qkv = [self.heads]  # rows only (halves)
+            self.qkv = [self.heads]  # the raw q/k/v dropped; halves() reads the row count from here
         return (*self.heads, None)
 
     def output_half(self, j: int, half: int) -> Tensor:
         """Chunk j's attention output of the first or second half of its batch rows (see halves)."""
         q, k, v, rows = self._own(j)
         b = q.shape[0]
-        cut = slice(0, (b + 1) // 2) if half == 0 else slice((b + 1) // 2, b)
-        kw = {key: val[cut] if torch.is_tensor(val) and val.dim() and val.shape[0] == b else val
-              for key, val in self.kw.items()}
-        return mark_compute(self.parts.attend(q[cut], k[cut], v[cut], kw, rows), f"L{self.index}.attention")
+        q, k, v = (t.chunk(2, 0)[half] for t in (q, k, v))
+        kw = {key: split_rows(val, b, 2)[half] for key, val in self.kw.items()}
+        return mark_compute(self.parts.attend(q, k, v, kw, rows), f"L{self.index}.attention")
 
     def output(self, j: int) -> tuple[Tensor, bool]:
         """(chunk j's attention output [b, tp*s_c, h*d] in chunk order, whether this call ran the whole attention)."""

@@ -58,7 +58,7 @@ from torch import Tensor, nn
 from ..models import LayerParts, adapter_for
 from ..tensor_parallel.layers import RowParallelLinear
 from .deferred import DeferredWgrad
-from .fine_grain import decoder_steps, join_chunks, resolve
+from .fine_grain import decoder_steps, join_chunks, resolve, split_rows
 from .overlap import AsyncCollective, issue, wait_linears
 from .schedule import round_robin, run
 
@@ -108,16 +108,6 @@ def run_layers(layers: Sequence[tuple[int, nn.Module, Optional[LayerParts]]], hi
 
 
 # ---------------------------------------------------------------------------------------------- the stack
-def _split_rows(value: Any, rows: int, n: int) -> list:
-    """value split into n along dim 0 if it is per-row (dim 0 == rows), else n references to it."""
-    if torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == rows:
-        return list(value.chunk(n, 0))
-    if isinstance(value, tuple) and value and all(torch.is_tensor(v) for v in value):
-        parts = [_split_rows(v, rows, n) for v in value]
-        return [tuple(p[c] for p in parts) for c in range(n)]
-    return [value] * n
-
-
 class InterleavedStack:
     """Runs a part's decoder layers on a micro-batch as n_copies interleaved copies, each layer's tokens in
     fine_grain chunks; called like one HF decoder layer (hidden_states, **layer kwargs)."""
@@ -147,7 +137,7 @@ class InterleavedStack:
             raise ValueError(f"micro_batch_interleave_num={n}: the micro-batch has {rows} rows, not divisible into "
                              f"{n} copies; feed runner_config.batch_size x micro_batch_interleave_num rows")
         copies = hidden_states.chunk(n, 0)
-        split = {k: _split_rows(v, rows, n) for k, v in kwargs.items()}
+        split = {k: split_rows(v, rows, n) for k, v in kwargs.items()}
         copy_kwargs = [{k: v[c] for k, v in split.items()} for c in range(n)]
         outs, self.out_layout = _run_copies(self.layers, copies, copy_kwargs, fine_grain=self.fine_grain,
                                             scatter_group=self.scatter_group, stay_chunked=self.stay_chunked,
