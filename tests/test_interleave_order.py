@@ -125,19 +125,26 @@ def test_input_grad_collective_in_flight_during_weight_grad(logs):
         assert wait_at > i + 1
 
 
-@pytest.mark.parametrize("name", ["sp_n1", "sp_n2", "sp_fine_grain2"])
-def test_collectives_multiply_own_rows_in_flight(logs, name):
+@pytest.mark.parametrize("name,copies", [("sp_n1", 1), ("sp_n2", 2), ("sp_fine_grain2", 1), ("sp_n4", 4)])
+def test_collectives_multiply_own_rows_in_flight(logs, name, copies):
     """Local-first gathers, remote-first reduce-scatters: right after each QKV / gate-up all-gather, and each
     out-proj / down-proj reduce-scatter, is issued, the copy multiplies its own rows (the collective's window holds
-    the copy's own GEMM, also at N = 1); the backward has no such step."""
+    the copy's own GEMM, also at N = 1); the backward has no such step. With more than 2 streams (N = 4) the
+    reduce-scatters are not split (fine_grain.remote_first): the whole GEMM runs, then the collective starts."""
     log = logs[0][name][0]
     issued = [i for i, (e, c, p, n) in enumerate(log) if e == "issue" and p == "fwd"
               and n.endswith((":all_gather", ":reduce_scatter")) and not n.startswith(ENDS)]
-    assert len(issued) == 4 * 4 * (2 if name == "sp_n2" else 1) * (2 if name.endswith("grain2") else 1)
+    assert len(issued) == 4 * 4 * copies * (2 if name.endswith("grain2") else 1)
+    split = [i for i in issued if copies <= 2 or log[i][3].endswith(":all_gather")]
+    assert len(split) == len(issued) // (2 if copies > 2 else 1)
     for i in issued:
         _, copy, _, name_ = log[i]
-        assert log[i + 1] == ("compute", copy, "fwd", name_.split(":")[0] + ":gemm_local"), log[i:i + 2]
-    assert sum(1 for e in log if e[3].endswith(":gemm_local") and not e[3].startswith(ENDS)) == len(issued)
+        layer_op = name_.split(":")[0]
+        if i in split:
+            assert log[i + 1] == ("compute", copy, "fwd", layer_op + ":gemm_local"), log[i:i + 2]
+        else:
+            assert log[i - 1] == ("compute", copy, "fwd", layer_op + ":gemm"), log[i - 1:i + 1]
+    assert sum(1 for e in log if e[3].endswith(":gemm_local") and not e[3].startswith(ENDS)) == len(split)
 
 
 @pytest.mark.parametrize("name,copies", [("sp_n1", 1), ("sp_n2", 2), ("sp_n4", 4), ("sp_fine_grain2", 1)])

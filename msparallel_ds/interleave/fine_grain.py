@@ -15,9 +15,9 @@ the chunk waits for its result only when it resumes:
        SP) -> yield -> wait + the other rows' q/k/v GEMMs (wait_linears); wait (yielding) until the q/k/v the
        attention needs are in
     B  attention of the first half of the batch rows -> yield -> the other half, out-proj, issue reduce (+ own
-       rows' out-proj with SP: remote-first, overlap.issue_linear) -> yield -> wait + residual, norm, issue gather
-       (+ own rows' gate/up) -> yield -> wait + the other rows' gate/up, act -> yield -> down-proj, issue reduce
-       (+ own rows' down-proj) -> yield; the result is waited at the next A
+       rows' out-proj with SP: remote-first, overlap.issue_linear, with <= 2 streams) -> yield -> wait +
+       residual, norm, issue gather (+ own rows' gate/up) -> yield -> wait + the other rows' gate/up, act -> yield
+       -> down-proj, issue reduce (+ own rows' down-proj) -> yield; the result is waited at the next A
 The yields without a collective cut a layer into six steps of about even cost, so every collective of another
 copy has a GEMM or attention step (not only a norm) between its issue and its wait, forward and (autograd runs
 the steps' nodes in reverse) backward. The attention is cut by batch rows where it is the chunk's own and local
@@ -250,10 +250,18 @@ class _SharedLayer:
 
 
 # ---------------------------------------------------------------------------------------------- the layers
-def _chunk_steps(run: list, shared_layers: list, h, j: int, lag: int):
+def remote_first(streams: int) -> bool:
+    """Whether the reduce-scatters run remote-first (overlap.issue_linear) when `streams` copies x chunks are
+    interleaved. With <= 2 a collective's window holds one other step, which this rank's own rows widen; with more
+    the other streams' steps fill it already (N=4: 0.98 of the link hidden either way) and the split's extra small
+    GEMMs and copies cost more main-thread time than they hide (benchmarks/README.md, thirteenth pass)."""
+    return streams <= 2
+
+
+def _chunk_steps(run: list, shared_layers: list, h, j: int, lag: int, rf: bool):
     """Generator: chunk j of one copy through the decomposable layers `run` ((index, layer, parts) each, their
     _SharedLayer in `shared_layers`); yields after every collective it starts and in the middle of the GEMM blocks;
-    returns its output (Pending: the last reduce may still be in flight)."""
+    returns its output (Pending: the last reduce may still be in flight). rf: remote-first reduce-scatters."""
     for (index, _, parts), shared in zip(run, shared_layers):
         kinds = shared.kinds
         residual = resolve(h)
@@ -282,7 +290,7 @@ def _chunk_steps(run: list, shared_layers: list, h, j: int, lag: int):
                 # attention block, not the same short norm step (lockstep)
                 yield
         link = AsyncCollective(kinds.reduce, kinds.group, SEQ_DIM, name=f"L{index}.attn_out")
-        token = issue_linear(mark_compute(o, f"L{index}.attn_out"), parts.attn_out.weight, link)  # remote-first
+        token = issue_linear(mark_compute(o, f"L{index}.attn_out"), parts.attn_out.weight, link, rf)
         yield
         h = Pending(residual, token, link, parts.attn_out).result()
         x = mark_compute(parts.post_norm(h), f"L{index}.norm2")
@@ -293,13 +301,14 @@ def _chunk_steps(run: list, shared_layers: list, h, j: int, lag: int):
         y = mark_compute(parts.act(gate) * up, f"L{index}.ffn")
         yield  # the other rows' gate/up + act, and down-proj, are two steps
         link = AsyncCollective(kinds.reduce, kinds.group, SEQ_DIM, name=f"L{index}.ffn_out")
-        h = Pending(h, issue_linear(y, parts.ffn_out.weight, link), link, parts.ffn_out)
+        h = Pending(h, issue_linear(y, parts.ffn_out.weight, link, rf), link, parts.ffn_out)
         yield  # in flight while the other chunks/copies run; waited at the next layer's norm (or by the caller)
     return h
 
 
 def decoder_steps(layers: list, h: Tensor, kw: dict[str, Any], *, n: int = 1, copy: Any = 0, lag: int = 0,
-                  scatter_group=None, stay_chunked: bool = False, wgrad: Optional[DeferredWgrad] = None):
+                  scatter_group=None, stay_chunked: bool = False, wgrad: Optional[DeferredWgrad] = None,
+                  copies: int = 1):
     """Generator: one copy's hidden state h through `layers` ((index, layer, parts) each, parts: the family
     adapter's LayerParts) in n chunks; yields after every collective it starts (and between GEMM blocks); returns
     the chunks' outputs (tensors or Pending; in the rank layout unless stay_chunked, below). Consecutive
@@ -311,8 +320,8 @@ def decoder_steps(layers: list, h: Tensor, kw: dict[str, Any], *, n: int = 1, co
     layer runs whole with its own pre-hook. stay_chunked: a last run in the chunk layout is not moved back (the
     caller's output head takes the gathered blocks in sequence order, multi_copy._Head). The scatter is async
     (deferred.scatter: its backward all-gather in flight beside other copies' layer-0 backward and, with `wgrad`,
-    this copy's part of the output head's deferred weight grad). Returns (the chunks' outputs, (tp, n) if they
-    are in the chunk layout else None)."""
+    this copy's part of the output head's deferred weight grad). copies: how many copies run interleaved, this one
+    included (for remote_first). Returns (the chunks' outputs, (tp, n) if they are in the chunk layout else None)."""
     hs: Optional[list] = None  # the chunks; None while the hidden state is the whole tensor h
     ids, i = [copy if n == 1 else (copy, j) for j in range(n)], 0
     while i < len(layers):
@@ -334,7 +343,8 @@ def decoder_steps(layers: list, h: Tensor, kw: dict[str, Any], *, n: int = 1, co
             hs = chunk_layout.enter(h, n, kinds.group, scatter=scatter, chunked=chunked, cut=cut)
         elif chunked:
             hs = chunk_layout.to_chunk_layout([resolve(x) for x in hs], kinds.group)
-        hs = yield from round_robin([_chunk_steps(run, shared, hs[j], j, lag + (j % 3 if chunked else 0))
+        rf = remote_first(copies * n)
+        hs = yield from round_robin([_chunk_steps(run, shared, hs[j], j, lag + (j % 3 if chunked else 0), rf)
                                       for j in range(n)], ids)
         lag, i = 0, end
         if chunked and stay_chunked and end == len(layers):

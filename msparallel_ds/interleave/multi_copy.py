@@ -4,13 +4,13 @@ one copy's tensor/sequence-parallel collective is in flight while another copy c
 The schedule is written once, for any N: every copy is a generator (`copy_steps`) that runs the decoder layers as
 steps (fine_grain.decoder_steps) and yields right after it has started a collective (overlap.issue, async_op=True);
 `round_robin` resumes the copies in turn, and a copy waits for its collective only when it resumes and needs the
-result. With SP, per layer and copy: [norm, all-gather, QKV of own rows] [wait, QKV of the others' rows,
-attention of half the rows] [attention of the other half, out-proj, reduce-scatter, out-proj of own rows] [wait,
-residual, norm, all-gather, gate/up of own rows] [wait, gate/up of the others' rows, act] [down-proj,
-reduce-scatter, down-proj of own rows] (overlap: a gather's window holds the copy's own rows' GEMM, a
-reduce-scatter's too, remote-first). Copy c starts c % 3 steps behind copy 0 (copy_lag), so the step another copy
-runs inside a norm-step's window is a GEMM step, not the same short norm step (in lockstep every second collective
-had only a norm to hide behind).
+result. With SP, per layer and copy: [norm, all-gather, QKV of own rows] [wait, QKV of the others' rows, attention
+of half the rows] [attention of the other half, out-proj, reduce-scatter, out-proj of own rows] [wait, residual,
+norm, all-gather, gate/up of own rows] [wait, gate/up of the others' rows, act] [down-proj, reduce-scatter,
+down-proj of own rows] (overlap: a gather's window holds the copy's own rows' GEMM, a reduce-scatter's too,
+remote-first, where copies x chunks <= 2: fine_grain.remote_first). Copy c starts c % 3 steps behind copy 0
+(copy_lag), so the step another copy runs inside a norm-step's window is a GEMM step, not the same short norm step
+(in lockstep every second collective had only a norm to hide behind).
 
 Backward needs no scheduler: eager autograd runs ready nodes in reverse creation order, so the interleaved forward
 gives an interleaved backward. Each wait node's backward starts the transposed collective (reduce-scatter of the
@@ -76,12 +76,13 @@ def copy_lag(copy: int) -> int:
 
 def copy_steps(layers: Sequence[tuple[int, nn.Module, Optional[LayerParts]]], h: Tensor, kw: dict, *, copy: int = 0,
                fine_grain: int = 1, scatter_group=None, stay_chunked: bool = False,
-               wgrad: Optional[DeferredWgrad] = None):
+               wgrad: Optional[DeferredWgrad] = None, copies: int = 1):
     """Generator: one copy through `layers` ((index, layer, parts) each); yields after each collective it starts;
     returns (its hidden state, (tp, n) if it is in the chunk layout else None). scatter_group: the tp group when
-    the first layer is the model's layer 0 under SP; stay_chunked, wgrad: see fine_grain.decoder_steps."""
+    the first layer is the model's layer 0 under SP; stay_chunked, wgrad, copies: see fine_grain.decoder_steps."""
     hs, layout = yield from decoder_steps(list(layers), h, kw, n=fine_grain, copy=copy, lag=copy_lag(copy),
-                                          scatter_group=scatter_group, stay_chunked=stay_chunked, wgrad=wgrad)
+                                          scatter_group=scatter_group, stay_chunked=stay_chunked, wgrad=wgrad,
+                                          copies=copies)
     return join_chunks([resolve(h) for h in hs]), layout
 
 
@@ -91,7 +92,8 @@ def _run_copies(layers, hidden_states_copies, copy_kwargs, *, fine_grain: int, s
     n = len(hidden_states_copies)
     kws = [{**layer_kwargs, **(copy_kwargs[c] if copy_kwargs else {})} for c in range(n)]
     gens = [copy_steps(layers, hidden_states_copies[c], kws[c], copy=c, fine_grain=fine_grain,
-                       scatter_group=scatter_group, stay_chunked=stay_chunked, wgrad=wgrad) for c in range(n)]
+                       scatter_group=scatter_group, stay_chunked=stay_chunked, wgrad=wgrad, copies=n)
+            for c in range(n)]
     outs = run(round_robin(gens))  # every copy runs the same layers, so all share one output layout
     return [o for o, _ in outs], outs[0][1]
 

@@ -48,8 +48,10 @@ _TRANSPOSE = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "a
 _GATHERS = ("all_gather", "gather_replicated")
 
 
-def _start(kind: str, x: Tensor, group, dim: int) -> tuple[Optional[object], Callable[[], Tensor], float]:
-    """Start collective `kind` on x without blocking: (work or None, finish() -> result, bus bytes)."""
+def _start(kind: str, x: Tensor, group, dim: int, stacked: bool = False
+           ) -> tuple[Optional[object], Callable[[], Tensor], float]:
+    """Start collective `kind` on x without blocking: (work or None, finish() -> result, bus bytes). stacked: x is
+    a reduce-scatter's send buffer already [n, *block] (destination rank first, contiguous)."""
     n = _size(group)
     if kind == "identity" or n == 1:
         return None, (lambda: x), 0.0
@@ -74,8 +76,7 @@ def _start(kind: str, x: Tensor, group, dim: int) -> tuple[Optional[object], Cal
         return work, (lambda: out.unflatten(0, (n, b)).movedim(0, dim).flatten(dim, dim + 1)), \
             bus_bytes("all_gather", out, n)
     if kind == "reduce_scatter":
-        piece = _chunk(x, group, dim)
-        send = x.unflatten(dim, (n, piece)).movedim(dim, 0).contiguous()
+        send = x if stacked else x.unflatten(dim, (n, _chunk(x, group, dim))).movedim(dim, 0).contiguous()
         work, finish = start_reduce_scatter(send, group, async_op=True)  # x's layout, dim shrunk
         return work, finish, bus_bytes(kind, send, n)
     raise ValueError(f"unknown collective kind {kind!r}; one of {', '.join(_TRANSPOSE)}")
@@ -101,10 +102,10 @@ class AsyncCollective:
         # wait_linears' outputs and the grads it takes are in sequence order (chunk_layout.py)
         self.blocks = 1
 
-    def start(self, x: Tensor, phase: str) -> None:
+    def start(self, x: Tensor, phase: str, stacked: bool = False) -> None:
         kind = self.kind if phase == "fwd" else _TRANSPOSE[self.kind]
         t0 = instruments.issue_clock()
-        work, finish, nbytes = _start(kind, x, self.group, self.dim)
+        work, finish, nbytes = _start(kind, x, self.group, self.dim, stacked)
         self._pending = (work, finish, nbytes, t0, kind)
         if work is not None:
             instruments.async_started(f"{self.name}:{kind}", phase, self.copy)
@@ -200,11 +201,15 @@ class _IssueLinear(torch.autograd.Function):
     def forward(ctx, x: Tensor, w: Tensor, link: AsyncCollective) -> Tensor:
         dim, me, n = link.dim % x.dim(), dist.get_rank(link.group), _size(link.group)
         s = _chunk(x, link.group, dim)
-        rows = [x.narrow(dim, r * s, s) for r in range(n)]
-        blocks = [None if r == me else F.linear(rows[r], w) for r in range(n)]
-        blocks[me] = torch.zeros_like(blocks[(me + 1) % n])
-        link.start(torch.cat(blocks, dim), "fwd")
-        link.addend = F.linear(rows[me], w)
+        block = list(x.shape)
+        block[dim], block[-1] = s, w.shape[0]
+        send = x.new_empty((n, *block))  # the reduce-scatter's send layout: each rank's GEMM written in place
+        for r in range(n):
+            if r != me:
+                torch.matmul(x.narrow(dim, r * s, s), w.t(), out=send[r])
+        send[me].zero_()
+        link.start(send, "fwd", stacked=True)
+        link.addend = F.linear(x.narrow(dim, me * s, s), w)
         record("compute", f"{link.name}:gemm_local", "fwd", link.copy)
         link.rows = (dim, me, s)
         ctx.link = link
@@ -294,10 +299,12 @@ def issue(x: Tensor, link: AsyncCollective, linears: Optional[tuple] = None) -> 
     return token
 
 
-def issue_linear(x: Tensor, weight: Tensor, link: AsyncCollective) -> Tensor:
-    """issue(F.linear(x, weight), link): a row-parallel linear's partial output into link's reduce. A
-    reduce-scatter's rows are multiplied remote-first (_IssueLinear), so this rank's own rows are its window."""
-    if link.kind != "reduce_scatter" or _size(link.group) == 1:
+def issue_linear(x: Tensor, weight: Tensor, link: AsyncCollective, remote_first: bool = True) -> Tensor:
+    """issue(F.linear(x, weight), link): a row-parallel linear's partial output into link's reduce. With
+    remote_first, a reduce-scatter's rows are multiplied remote-first (_IssueLinear), so this rank's own rows are
+    its window; else (or for other kinds) the whole GEMM runs before the collective starts."""
+    split = link.kind == "reduce_scatter" and _size(link.group) > 1 and link.dim % x.dim() != x.dim() - 1
+    if not (remote_first and split):
         return issue(mark_compute(F.linear(x, weight), f"{link.name}:gemm"), link)
     return _IssueLinear.apply(x, weight, link)
 
