@@ -253,8 +253,8 @@ class _SharedLayer:
 def remote_first(streams: int) -> bool:
     """Whether the reduce-scatters run remote-first (overlap.issue_linear) when `streams` copies x chunks are
     interleaved. With <= 2 a collective's window holds one other step, which this rank's own rows widen; with more
-    the other streams' steps fill it already (N=4: 0.98 of the link hidden either way) and the split's extra small
-    GEMMs and copies cost more main-thread time than they hide (benchmarks/README.md, thirteenth pass)."""
+    the other streams' steps fill it already (N=4: 0.97-0.98 of the link hidden either way) and the split's extra
+    small GEMMs and copies cost more main-thread time than they hide (benchmarks/README.md, thirteenth pass)."""
     return streams <= 2
 
 
