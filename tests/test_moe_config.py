@@ -105,8 +105,10 @@ def test_mcore_settings_and_spellings():
     with pytest.warns(ConfigWarning, match="moe_z_loss_coeff=0.001: MindFormers' mcore MoE has no router z-loss"):
         assert msp.load_config(mutate(MCORE, "model_config", moe_z_loss_coeff=1e-3)).moe.z_loss_coeff == 0.0
     # routed_scaling_factor (utils.py:358 spelling moe_router_topk_scaling_factor) and norm_topk_prob are read
-    s = load(mutate(MCORE, "model_config", routed_scaling_factor=1.5, norm_topk_prob=False)).moe
+    scaled = mutate(MCORE, "model_config", routed_scaling_factor=1.5, norm_topk_prob=False)
+    s = load(scaled).moe
     assert (s.routed_scaling_factor, s.norm_topk_prob) == (1.5, False)
+    assert any("routing weights not normalised, x1.5 (router.py:290-295)" in n for n in plan(scaled).notes)
     s = load(mutate(MCORE, "model_config", moe_router_topk_scaling_factor=2.5)).moe
     assert s.key("routed_scaling_factor") == "model.model_config.moe_router_topk_scaling_factor"
     assert load(mutate(LEGACY, "moe_config", routed_scaling_factor=2.5)).moe.routed_scaling_factor == 2.5

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.distributed
 
 STEPS, CLIP = 3, 0.05
 CASES = {  # name -> (tiny_config kwargs, mcore MoE keys, micro-batches per step, shards per micro-batch row)
-    "gbs_dp2xtp2_sp_gas2_ep2_scaled": (dict(dp=2, tp=2, sp=True, zero=1, ep=2, gas=2), dict(
+    # + full recompute: the recomputed forward (in backward) must not add to the accumulated f nor change it
+    "gbs_dp2xtp2_sp_gas2_ep2_scaled_recompute": (dict(dp=2, tp=2, sp=True, zero=1, ep=2, gas=2, recompute=True), dict(
         moe_aux_loss_coeff=0.02, moe_router_load_balancing_type="gbs_aux_loss", routed_scaling_factor=1.5,
         norm_topk_prob=True), 2),
     "gbs_pp2xdp2_mbn4_ep2": (dict(dp=2, zero=0, ep=2, pp=2), dict(
