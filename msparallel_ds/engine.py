@@ -167,6 +167,7 @@ class Engine:
         if self.applied.aux_loss is None:
             return
         t = self.applied.aux_loss.pop_total().float().to(self.device)
+        self.applied.aux_loss.end_step()
         sum_over(self.layout, "dp_cp", t)
         sum_over(self.layout, "tp", t)
         self.last_aux_loss = float(t) / self.gradient_accumulation_steps

@@ -56,7 +56,7 @@ class Options:
     activation_offload: Any = None     # a Plan.activation_offload: "all" or global layer indices
     interleave: Interleave = field(default_factory=Interleave)
     capacity: Any = None               # moe.capacity rule (None: dropless)
-    aux_loss: Optional[dict] = None    # {"coeff", "scope", "z_coeff"} of the router's aux / z loss (moe.aux_loss)
+    aux_loss: Optional[dict] = None    # AuxLoss fields (coeff, scope, z_coeff, forwards_per_step) (moe.aux_loss)
     expert_bias_rate: Optional[float] = None  # aux-loss-free balancing's update rate (moe.expert_bias); None: off
     mtp_depth: int = 0                 # multi-token-prediction layers (models.mtp); 0: off
     mtp_scale: float = 0.0             # mtp_loss_scaling_factor
@@ -72,8 +72,10 @@ class Options:
             # legacy MindFormers rounds the capacity up to a multiple of model_parallel
             round_to = plan.mesh.tp if moe.source == "moe_config" else 1
             capacity = Capacity(moe.capacity_factor, moe.drop_policy, round_to)
-        aux = (None if moe is None else
-               {"coeff": moe.aux_loss_coeff, "scope": moe.aux_loss_scope, "z_coeff": moe.z_loss_coeff})
+        forwards = get("micro_batch_num", 1) * get("gradient_accumulation_steps", 1) * \
+            get("micro_batch_interleave_num", 1)  # per router and step (gbs_aux_loss accumulates over them)
+        aux = (None if moe is None else {"coeff": moe.aux_loss_coeff, "scope": moe.aux_loss_scope,
+                                          "z_coeff": moe.z_loss_coeff, "forwards_per_step": forwards})
         bias = None if moe is None or not moe.expert_bias else moe.bias_update_rate_or_default
         model, mtp = getattr(getattr(plan, "config", None), "model", None), {}
         if model is not None and model.mtp_depth:
@@ -159,6 +161,10 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
         from .moe.settings import check_model
 
         check_model(settings, part.config, ep)  # the YAML's MoE keys vs the HF model
+        from .moe.routing import apply_routing, routing_of
+
+        if routing_of(settings):  # norm_topk_prob / routed_scaling_factor: the YAML's, as MindFormers computes
+            apply_routing(part, adapter or adapter_for(part), settings)
     ep_plan, aux_loss = apply_ep(part, layout, adapter, options.capacity, options.aux_loss)
     if layout.size("pp") == 1:
         from .tensor_parallel.replicated import install as sum_replicated_grads

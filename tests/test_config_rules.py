@@ -335,3 +335,58 @@ def test_mcore_offsets_exclude_mtp_and_allow_empty_head_and_tail_stages():
     i, _ = issue(cfg(pp4, {"num_layers": 16, "mtp_num_layers": 1, "offset": 1}, use_legacy=False),
                  "model.model_config.offset")
     assert "num_layers % " in str(i)
+
+
+# Sources (mindformers 2.1.0 wheel): core/context/parallel.py:120-150 (STAND_ALONE / MANUAL_PARALLEL with use_parallel:
+# initialize_model_parallel(tp=model_parallel, dp, pp, ep, order "tp-ep-pp-dp"), trainer/base_trainer.py:181 (the
+# trainer's reset is skipped when RUN_MODE = run_mode is predict), :214 and :280-296 (training outside semi_auto /
+# auto parallel: degrees reset to 1, batch_size x gradient_accumulation_steps per card), :320-326 (accumulation
+# reset to 1), :544-545 (mcore refuses micro_batch_interleave_num > 1), core/context/parallel.py:49-52
+# (auto_pipeline), models/llama/llama.py:117-118 (seq_split_num 1 chunks nothing).
+def test_manual_parallel_predict_keeps_the_degrees():
+    """predict_deepseek3_671b-style: MANUAL_PARALLEL, use_parallel true, run_mode predict, model_parallel 32: the
+    manual groups are real (TP32 on 32 devices, not one device); ep is kept; cp is not one of the manual groups."""
+    d = cfg({"data_parallel": 1, "model_parallel": 32, "expert_parallel": 32, "context_parallel": 2,
+             "use_seq_parallel": True},
+            {"num_heads": 64, "n_kv_heads": 64}, parallel={"parallel_mode": "MANUAL_PARALLEL"}, use_parallel=True,
+            run_mode="predict")
+    with pytest.warns(ConfigWarning, match="manual groups are initialize_model_parallel.*context_parallel reset"):
+        c = msp.load_config(d)
+    assert (c.tp, c.dp, c.pp, c.cp, c.ep) == (32, 1, 1, 1, 32)
+    assert msp.make_plan(c, world_size=32).world_size == 32
+    pp2 = cfg({"data_parallel": 2, "model_parallel": 2, "pipeline_stage": 2, "micro_batch_num": 2,
+               "expert_parallel": 2, "use_seq_parallel": True}, parallel={"parallel_mode": "STAND_ALONE"},
+              run_mode="predict")  # MindFormers' manual order tp-ep-pp-dp (parallel_state.py:404-410, :301-315)
+    with pytest.warns(ConfigWarning, match="rank order: its dense ranks are tp, then pp, then dp outermost.*strided"):
+        assert msp.make_plan(msp.load_config(pp2), world_size=8).mesh.as_dict()["pp"] == 2
+    train = dict(d, run_mode="train")  # training: MindFormers' trainer resets the degrees (base_trainer.py:280-296)
+    with pytest.warns(ConfigWarning, match="resets parallel_config"):
+        assert msp.make_plan(msp.load_config(train)).world_size == 1
+
+
+@pytest.mark.parametrize("mode, use_parallel", [(0, True), ("STAND_ALONE", True), (1, False)])
+def test_non_parallel_modes_fold_gradient_accumulation(mode, use_parallel):
+    """data_parallel / stand_alone training (and use_parallel false): no gradient accumulation; the per-card batch is
+    batch_size x gradient_accumulation_steps, so the global batch is unchanged."""
+    d = cfg({"data_parallel": 2}, parallel={"parallel_mode": mode}, use_parallel=use_parallel,
+            runner_config={"batch_size": 2, "gradient_accumulation_steps": 4})
+    with pytest.warns(ConfigWarning, match=r"gradient_accumulation_steps=4 is reset to 1 .* 2 x 4 = 8"):
+        c = msp.load_config(d)
+    world = 2 if mode == 0 and use_parallel else 1  # data_parallel takes dp from the world size
+    p = msp.make_plan(c, world_size=world)
+    assert (p.gradient_accumulation_steps, p.micro_batch_size, p.global_batch_size) == (1, 8, 8 * world)
+    kept = msp.make_plan(msp.load_config(cfg({"data_parallel": 2}, runner_config={"batch_size": 2,
+                                                                              "gradient_accumulation_steps": 4})))
+    assert (kept.gradient_accumulation_steps, kept.micro_batch_size) == (4, 2)  # semi_auto keeps accumulation
+
+
+def test_mcore_refuses_micro_batch_interleave_and_notes():
+    hit, _ = issue(cfg({}, micro_batch_interleave_num=2, use_legacy=False), "micro_batch_interleave_num")
+    assert "base_trainer.py:544-545" in str(hit) and "use_legacy: true" in hit.fix
+    assert msp.load_config(cfg({}, micro_batch_interleave_num=2)).micro_batch_interleave_num == 2  # legacy runs it
+    with pytest.warns(ConfigWarning, match="auto_pipeline=true.*core/context/parallel.py:49-52.*pipeline_stage is used"):
+        msp.load_config(cfg({"pipeline_stage": 2, "micro_batch_num": 2}, parallel={"auto_pipeline": True}))
+    seqpipe = cfg({"pipeline_stage": 2, "micro_batch_num": 2, "seq_split_num": 1},
+                  parallel={"pipeline_config": {"pipeline_scheduler": "seqpipe"}})
+    with pytest.warns(ConfigWarning, match="seq_split_num=1: nothing is chunked, in MindFormers either"):
+        msp.make_plan(msp.load_config(seqpipe))

@@ -158,8 +158,7 @@ def test_mla_tp_plan_and_mtp_errors():
     assert plan[f"{attn}.kv_b_proj"] == "colwise_gathered" and plan[f"{attn}.o_proj"] == "rowwise"
     dense = deepseek_model(**DENSE)
     assert adapter.tp_plan(dense.config, 2, sequence_parallel=False)[attn] == "copy_input"
-    with pytest.raises(ValueError, match="use_seq_parallel=False with model_parallel=2 on a mixture-of-experts"):
-        adapter.tp_plan(model.config, 2, sequence_parallel=False)
+    assert adapter.tp_plan(model.config, 2, sequence_parallel=False)["model.layers.1.mlp"] == "token_slice_block"
     pp2 = SimpleNamespace(size=lambda n: 2 if n == "pp" else 1, plan=None)
     with pytest.raises(ValueError, match="mtp_depth=1 .* pipeline_stage=2"):
         parallelize_part(deepseek_model(), pp2, Options(mtp_depth=1, mtp_scale=0.3))

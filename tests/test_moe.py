@@ -26,43 +26,49 @@ LAYOUTS = {  # name -> (model kind, tiny_config kwargs + ep / pp)
     "qwen2moe_dp2xtp2_sp_ep4_zero2": ("qwen2_moe", dict(dp=2, tp=2, sp=True, zero=2, ep=4)),
     "qwen3_dp2xcp2_ring_ep2_zero1": ("qwen3_moe", dict(dp=2, cp=2, ring=True, zero=1, ep=2)),
     "qwen2moe_tp2_sp_ep1_zero1": ("qwen2_moe", dict(dp=2, tp=2, sp=True, zero=1, ep=1)),
-    # MindFormers mcore MoE keys: aux loss (global-batch / sequence scope) + z-loss; capacity with token drops
-    "qwen3_dp4_ep4_gbs_aux_z": ("qwen3_moe", dict(dp=4, zero=2, ep=4, moe=dict(
-        moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="gbs_aux_loss", moe_z_loss_coeff=0.001))),
+    # MindFormers mcore MoE keys: aux loss (global-batch / sequence scope); legacy moe_config: capacity with token
+    # drops and the z-loss (the mcore MoE has neither: config/moe.py)
+    "qwen3_dp4_ep4_gbs_aux": ("qwen3_moe", dict(dp=4, zero=2, ep=4, moe=dict(
+        moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="gbs_aux_loss"))),
     "qwen3_dp2xtp2_sp_ep2_seq_aux": ("qwen3_moe", dict(dp=2, tp=2, sp=True, zero=1, ep=2, moe=dict(
         moe_aux_loss_coeff=0.02, moe_router_load_balancing_type="seq_aux_loss"))),
-    "mixtral_dp4_ep2_capacity_position": ("mixtral", dict(dp=4, zero=1, ep=2, moe=dict(
-        moe_expert_capacity_factor=1.0, moe_token_drop_policy="position", moe_aux_loss_coeff=0.0,
-        moe_router_load_balancing_type="seq_aux_loss"))),
+    "mixtral_dp4_ep2_capacity_position": ("mixtral", dict(dp=4, zero=1, ep=2, legacy=dict(
+        expert_num=4, num_experts_chosen=2, capacity_factor=1.0, enable_sdrop=True, routing_policy="TopkRouterV2"))),
     "qwen2moe_dp4_ep2_recompute_all": ("qwen2_moe", dict(dp=4, zero=1, ep=2, recompute=True)),
-    "qwen3_dp4_ep2_capacity_probs": ("qwen3_moe", dict(dp=4, zero=0, ep=2, moe=dict(
-        moe_expert_capacity_factor=0.5, moe_token_drop_policy="probs", moe_router_load_balancing_type="gbs_aux_loss",
-        moe_aux_loss_coeff=0.001))),
+    "qwen3_dp4_ep2_capacity_probs_z": ("qwen3_moe", dict(dp=4, zero=0, ep=2, legacy=dict(
+        expert_num=8, num_experts_chosen=2, capacity_factor=0.5, aux_loss_factor=0.001, z_loss_factor=0.001))),
 }
 GROUPS = {"a": ["qwen3_dp4_ep4_zero0", "qwen3_dp2xtp2_sp_ep2_zero1", "qwen3_dp2xcp2_ulysses_ep4_zero2",
                 "qwen2moe_tp2_sp_ep1_zero1"],
           "b": ["mixtral_dp4_ep2_zero1", "qwen3_pp2xdp2_ep2_sub_seq_aux", "qwen2moe_dp2xtp2_sp_ep4_zero2",
                 "qwen3_dp2xcp2_ring_ep2_zero1"],
-          "c": ["qwen3_dp4_ep4_gbs_aux_z", "qwen3_dp2xtp2_sp_ep2_seq_aux", "mixtral_dp4_ep2_capacity_position",
-                "qwen3_dp4_ep2_capacity_probs", "qwen2moe_dp4_ep2_recompute_all"]}
+          "c": ["qwen3_dp4_ep4_gbs_aux", "qwen3_dp2xtp2_sp_ep2_seq_aux", "mixtral_dp4_ep2_capacity_position",
+                "qwen3_dp4_ep2_capacity_probs_z", "qwen2moe_dp4_ep2_recompute_all"]}
 
 
-def _moe_keys(moe):
-    """The run's mcore MoE keys ({} = only expert_parallel set) and what the reference applies for them."""
+def _moe_keys(moe, legacy=None):
+    """The run's MoE keys ({} = only expert_parallel set) and what the reference applies for them: mcore
+    model_config keys (aux loss only), or legacy moe_config (TopkRouterV1's aux_loss_factor over each rank's tokens,
+    z_loss_factor, capacity_factor with enable_sdrop's policy)."""
     aux = capacity = None
-    if moe:
+    if legacy:
+        coeff = legacy.get("aux_loss_factor", 0.05) if legacy.get("routing_policy", "TopkRouterV1") == "TopkRouterV1" \
+            else 0.0
+        aux = {"coeff": coeff, "scope": "sub_sequence", "z_coeff": legacy.get("z_loss_factor", 0.0)}
+        capacity = (legacy["capacity_factor"], "position" if legacy.get("enable_sdrop") else "probs")
+    elif moe:
         scope = {"gbs_aux_loss": "global_batch", "seq_aux_loss": "sequence",
                  "sub_seq_aux_loss": "sub_sequence"}[moe["moe_router_load_balancing_type"]]
-        aux = {"coeff": moe.get("moe_aux_loss_coeff", 0.0), "scope": scope, "z_coeff": moe.get("moe_z_loss_coeff", 0.0)}
-        if moe.get("moe_expert_capacity_factor"):
-            capacity = (moe["moe_expert_capacity_factor"], moe["moe_token_drop_policy"])
+        aux = {"coeff": moe.get("moe_aux_loss_coeff", 0.0), "scope": scope}
     return aux, capacity
 
 
-def moe_yaml(ep=1, pp=1, moe=None, **kw):
-    """ep_yaml for the 2-layer tiny MoE models."""
+def moe_yaml(ep=1, pp=1, moe=None, legacy=None, **kw):
+    """ep_yaml for the 2-layer tiny MoE models (+ a legacy moe_config section)."""
     y = ep_yaml(ep=ep, pp=pp, moe=moe, clip=CLIP, **kw)
     y["model"]["model_config"]["num_layers"] = 2
+    if legacy:
+        y["moe_config"] = dict(legacy)
     return y
 
 
@@ -148,8 +154,8 @@ def _run_group(rank, world_size, names, save_dir):
 _REFERENCES = {}
 
 
-def _reference(kind, rows, moe=None):
-    aux, capacity = _moe_keys(moe)
+def _reference(kind, rows, moe=None, legacy=None):
+    aux, capacity = _moe_keys(moe, legacy)
     key = (kind, rows, repr(aux), capacity)
     if key not in _REFERENCES:
         _REFERENCES[key] = moe_reference(kind, STEPS, rows, clip=CLIP, aux=aux, capacity=capacity)
@@ -167,7 +173,7 @@ def test_expert_parallel_matches_single_process(group, tmp_path):
         kind, kw = LAYOUTS[name]
         ep = kw["ep"]
         r0 = results[0][name]
-        ref_losses, ref_state, ref_norms, ref_aux = _reference(kind, r0["rows"], kw.get("moe"))
+        ref_losses, ref_state, ref_norms, ref_aux = _reference(kind, r0["rows"], kw.get("moe"), kw.get("legacy"))
         total_experts = sum(v.numel() for k, v in ref_state.items() if ".experts." in k)
         rel, nrel = 0.0, 0.0
         for rank, res in enumerate(results):
@@ -191,7 +197,7 @@ def test_expert_parallel_matches_single_process(group, tmp_path):
         moved = max((moe_model(kind).state_dict()[k] - v).abs().max().item() for k, v in ref_state.items())
         assert werr <= 5e-5 and moved > 1e-3, (name, werr, moved)
         assert r0["recompute"] == ({"0": [""], "1": [""]} if kw.get("recompute") else {}), (name, r0["recompute"])
-        if _moe_keys(kw.get("moe"))[1]:  # the capacity rule dropped tokens: the dropless run differs
+        if _moe_keys(kw.get("moe"), kw.get("legacy"))[1]:  # the capacity rule dropped tokens: the dropless run differs
             assert abs(_reference(kind, r0["rows"])[0][0] - ref_losses[0]) > 1e-5, name
         PARITY[name] = (rel, werr, nrel)
     if save_dir:
@@ -208,8 +214,9 @@ def test_expert_parallel_matches_single_process(group, tmp_path):
     print({k: tuple(f"{x:.1e}" for x in v) for k, v in PARITY.items()})
 
 
-def test_ep_needs_a_moe_model_and_sequence_parallel():
-    """expert_parallel on a dense model, and tp without SP on a MoE model: one clear error each, before sharding."""
+def test_ep_needs_a_moe_model_and_moe_blocks_route_their_slice():
+    """expert_parallel on a dense model: one clear error before sharding; a MoE block under tp routes its own
+    sequence slice, with SP or (splitting it itself) without."""
     from types import SimpleNamespace
 
     from engine_cases import tiny_model
@@ -222,8 +229,9 @@ def test_ep_needs_a_moe_model_and_sequence_parallel():
     with pytest.raises(ValueError, match="expert_parallel=2 .* has no mixture-of-experts layers"):
         apply_ep(model, layout, adapter_for(model))
     moe = moe_model("qwen3_moe")
-    with pytest.raises(ValueError, match="use_seq_parallel=False with model_parallel=2 on a mixture-of-experts"):
-        adapter_for(moe).tp_plan(moe.config, 2, sequence_parallel=False)
+    no_sp = adapter_for(moe).tp_plan(moe.config, 2, sequence_parallel=False)  # mcore MoE runs without SP
+    assert no_sp["model.layers.0.mlp"] == "token_slice_block" and no_sp["model.layers.1.mlp.gate"] == \
+        "replicated_with_grad_allreduce" and not any(s.startswith("sequence_") for s in no_sp.values())
     plan = adapter_for(moe).tp_plan(moe.config, 2, sequence_parallel=True)
     assert not any(".experts" in p for p in plan)  # experts go over ep, never tp
     assert plan["model.layers.0.mlp"] == "sequence_parallel" and plan["model.layers.1.mlp.gate"] == "sequence_parallel"

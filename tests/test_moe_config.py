@@ -4,6 +4,7 @@ plan's expert-parallel sizes and MoE-aware memory, and the YAML checked against 
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import yaml
 
 import msparallel_ds as msp
 import msparallel_ds.cli as cli
-from msparallel_ds.config import ConfigWarning
+from msparallel_ds.config import ConfigError, ConfigWarning
 from msparallel_ds.moe.settings import MoESettings, check_model
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "mindformers-configs"
@@ -82,7 +83,7 @@ def test_legacy_settings_follow_mindformers_defaults():
     assert set(d) == {"source", "num_experts", "top_k", "capacity_factor", "drop_policy", "aux_loss_coeff",
                       "aux_loss_scope", "z_loss_coeff", "shared_experts", "shared_expert_intermediate_size",
                       "moe_intermediate_size", "first_k_dense_replace", "norm_topk_prob", "expert_bias",
-                      "bias_update_rate", "expert_model_parallel"}
+                      "bias_update_rate", "expert_model_parallel", "routed_scaling_factor"}
 
 
 def test_mcore_settings_and_spellings():
@@ -96,7 +97,26 @@ def test_mcore_settings_and_spellings():
     assert s.num_experts == 8 and s.key("num_experts") == "model.model_config.n_routed_experts"
     assert (s.aux_loss_scope, s.drop_policy, s.capacity_factor) == ("sub_sequence", "probs", None)  # 2.1 defaults
     assert s.shared_size(128) == 2 * 32  # n_shared x moe_intermediate_size
-    assert load(mutate(MCORE, "model_config", moe_expert_capacity_factor=1.25)).moe.capacity_factor == 1.25
+    # mcore never drops and has no z-loss: the capacity factor is only validated (transformer_config.py:2448-2455),
+    # moe_z_loss_coeff read by nothing under parallel_core/training_graph/transformer/moe (router.py:427-437)
+    with pytest.warns(ConfigWarning, match="moe_expert_capacity_factor=1.25: MindFormers' mcore MoE never drops"):
+        assert msp.load_config(mutate(MCORE, "model_config", moe_expert_capacity_factor=1.25)).moe.capacity_factor \
+            is None
+    with pytest.warns(ConfigWarning, match="moe_z_loss_coeff=0.001: MindFormers' mcore MoE has no router z-loss"):
+        assert msp.load_config(mutate(MCORE, "model_config", moe_z_loss_coeff=1e-3)).moe.z_loss_coeff == 0.0
+    # routed_scaling_factor (utils.py:358 spelling moe_router_topk_scaling_factor) and norm_topk_prob are read
+    scaled = mutate(MCORE, "model_config", routed_scaling_factor=1.5, norm_topk_prob=False)
+    s = load(scaled).moe
+    assert (s.routed_scaling_factor, s.norm_topk_prob) == (1.5, False)
+    assert any("routing weights not normalised, x1.5 (router.py:290-295)" in n for n in plan(scaled).notes)
+    s = load(mutate(MCORE, "model_config", moe_router_topk_scaling_factor=2.5)).moe
+    assert s.key("routed_scaling_factor") == "model.model_config.moe_router_topk_scaling_factor"
+    assert load(mutate(LEGACY, "moe_config", routed_scaling_factor=2.5)).moe.routed_scaling_factor == 2.5
+    for raw, key in ((mutate(MCORE, "model_config", routed_scaling_factor=0),
+                      "model.model_config.routed_scaling_factor"),
+                     (mutate(LEGACY, "moe_config", routed_scaling_factor=-1.0), "moe_config.routed_scaling_factor")):
+        with pytest.raises(ConfigError, match=re.escape(key) + ".*must be > 0"):
+            load(raw)
 
 
 def test_no_moe_keys_and_expert_parallel_is_allowed():
@@ -145,7 +165,6 @@ MUTATIONS = [  # (base, section, changes, the one key refused)
     (GMM, "moe_config", {"use_gmm": True}, "parallel_config.expert_parallel"),  # use_gmm: dp x mp % ep
     (MCORE, "model_config", {"num_experts": 6}, "model.model_config.num_experts"),  # num_experts % ep
     (MCORE, "parallel_config", {"data_parallel": 1, "context_parallel": 2}, "parallel_config.expert_parallel"),
-    (MCORE, "parallel_config", {"use_seq_parallel": False}, "parallel_config.use_seq_parallel"),
     (MCORE, "model_config", {"moe_router_load_balancing_type": "aux_loss"},
      "model.model_config.moe_router_load_balancing_type"),
     (MCORE, "model_config", {"moe_token_drop_policy": "random"}, "model.model_config.moe_token_drop_policy"),
@@ -156,7 +175,6 @@ MUTATIONS = [  # (base, section, changes, the one key refused)
     (MCORE, "model_config", {"first_k_dense_replace": 5}, "model.model_config.first_k_dense_replace"),
     (MCORE, "model_config", {"moe_aux_loss_coeff": -0.1}, "model.model_config.moe_aux_loss_coeff"),
     (NO_MOE, "parallel_config", {"expert_parallel": 8}, "parallel_config.expert_parallel"),  # dp x cp x tp % ep
-    (NO_MOE, "parallel_config", {"use_seq_parallel": False}, "parallel_config.use_seq_parallel"),
 ]
 
 
@@ -168,6 +186,15 @@ def test_each_moe_rule_broken_once_names_its_key(base, section, changes, key):
     assert err.keys == [key], str(err)
     issue = err.issues[0]
     assert issue.rule and issue.fix, str(err)
+
+
+def test_moe_without_sequence_parallel_is_refused_for_legacy_only():
+    """tools/check_rules.py:169-176 (MoE with mp > 1 needs SP) reads moe_config: the legacy MoE only. mcore MoE with
+    model_parallel > 1 and SP off plans (each tp rank routes its own sequence slice: models/moe.py)."""
+    assert refused(mutate(LEGACY, "parallel_config", use_seq_parallel=False)).keys == ["parallel_config.use_seq_parallel"]
+    for doc in (MCORE, NO_MOE):
+        p = plan(mutate(doc, "parallel_config", use_seq_parallel=False))
+        assert p.mesh.tp == 2 and p.expert_parallel > 1 and not p.sequence_parallel
 
 
 def test_typo_fix_names_the_closest_key_and_parallelism_spelling():

@@ -170,3 +170,27 @@ def test_auto_parallel_yaml_runs_what_suggest_chooses(tmp_path):
     pc = chosen["parallel_config"]
     assert (mesh["dp"], mesh["tp"], mesh["pp"]) == (pc["data_parallel"], pc["model_parallel"], pc["pipeline_stage"])
     assert note.split("chose ")[1].split(" out of")[0] in proc.stderr
+
+
+def test_auto_parallel_keeps_the_pipeline_and_batch():
+    """parallel_mode: 2 searches operator sharding only (MindSpore's auto_parallel; the pipeline comes from the
+    parallel context as written, core/context/parallel.py:46-57 pipeline_stages): pipeline_stage, the scheduler,
+    micro_batch_num, micro_batch_interleave_num and the global batch stay the YAML's, dp / tp are searched."""
+    from msparallel_ds.suggest.search import resolve_auto_parallel
+
+    raw = dict(read_model(TINY, 128, 8).base)
+    raw["parallel"] = {"parallel_mode": 2, "pipeline_config": {"pipeline_interleave": False,
+                                                              "pipeline_scheduler": "gpipe"}}
+    raw["parallel_config"] = {"data_parallel": 1, "model_parallel": 2, "pipeline_stage": 2, "micro_batch_num": 4}
+    raw["runner_config"] = {"batch_size": 2}
+    raw["model"]["model_config"]["offset"] = [1, -1]
+    chosen, note = resolve_auto_parallel(raw, 4, 2 * GIB)
+    pc = chosen["parallel_config"]
+    assert (pc["pipeline_stage"], pc["micro_batch_num"], chosen["micro_batch_interleave_num"]) == (2, 4, 1)
+    assert chosen["parallel"]["pipeline_config"] == raw["parallel"]["pipeline_config"]
+    assert chosen["model"]["model_config"]["offset"] == [1, -1]
+    plan = _plan(chosen, 4)
+    assert plan.global_batch_size == 8 and plan.mesh.pp == 2 and "gpipe" in plan.pp_schedule.lower()
+    assert "keeping the YAML's pipeline_stage=2, gpipe x1, micro_batch_num=4" in note
+    with pytest.raises(ConfigError, match="with the YAML's pipeline_stage=2, gpipe x1, micro_batch_num=4"):
+        resolve_auto_parallel(raw, 4, 0.001 * GIB)  # nothing fits: the error names what was kept

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 from pydantic import ValidationError
 
 from .errors import ConfigError, ConfigIssue, ConfigWarning
+from .modes import apply_mode_resets
 from .moe import read_moe
 from .reader import MAX_DEPTH, check_depth, read_source
 from .rules import check_rules
@@ -147,8 +148,14 @@ def _normalize(raw: Mapping, issues: list[ConfigIssue], spelled: dict[str, str])
     elif isinstance(mode, str) and mode.upper() in PARALLEL_MODE_STRINGS:
         if mode.upper() == "MANUAL_PARALLEL":
             warnings.warn(f"parallel.parallel_mode={mode}: MindFormers runs MANUAL_PARALLEL as STAND_ALONE (the model "
-                          "places its own communication); it runs as stand_alone here", ConfigWarning, stacklevel=4)
+                          "places its own communication: tools/utils.py:44); it runs as stand_alone here",
+                          ConfigWarning, stacklevel=4)
         par["parallel_mode"] = PARALLEL_MODE_STRINGS[mode.upper()]
+    if par.get("auto_pipeline") is True:
+        warnings.warn("parallel.auto_pipeline=true: MindFormers 2.1 does not choose pipeline stages (it stops with "
+                      "'Automatic pipeline stage is unavailable for now', core/context/parallel.py:49-52); "
+                      "parallel_config.pipeline_stage is used as written; `msparallel-ds suggest` searches pipeline "
+                      "layouts", ConfigWarning, stacklevel=4)
     for sub in ("parallel_optimizer_config", "pipeline_config"):
         if sub in par:
             par[sub] = _section(par, sub, issues, f"parallel.{sub}")
@@ -178,7 +185,7 @@ def _normalize(raw: Mapping, issues: list[ConfigIssue], spelled: dict[str, str])
 
     if raw.get("parallelism") is not None:
         _apply_parallelism(_section(raw, "parallelism", issues), out, issues)
-    _apply_mode_resets(out, issues)
+    apply_mode_resets(out, issues, raw.get("run_mode"))
     return out
 
 
@@ -304,40 +311,6 @@ def _apply_parallelism(p: dict, out: dict, issues: list[ConfigIssue]) -> None:
         warnings.warn("both `parallelism:` and `parallel_config:` are present; `parallelism:` wins",
                       ConfigWarning, stacklevel=5)
     out["parallel_config"] = {**out["parallel_config"], **pc}
-
-
-def _apply_mode_resets(out: dict, issues: list[ConfigIssue]) -> None:
-    """MindFormers runs stand-alone (use_parallel: false, STAND_ALONE / MANUAL_PARALLEL) or pure data parallel
-    (parallel_mode: data_parallel) by resetting every model-parallel degree to 1; the data-parallel degree then
-    comes from the device count. As there, the degrees are validated first (a negative or non-integer one is still
-    an error, left for the schema to report) and the hybrid ulysses rule is checked on the YAML's values; the reset
-    context_parallel of 1 is not checked against ulysses_degree_in_cp again."""
-    mode = out["parallel"].get("parallel_mode")
-    reason = None
-    if out.get("use_parallel") is False:
-        reason = "use_parallel=false (stand-alone)"
-    elif mode in ("data_parallel", "stand_alone"):
-        reason = f"parallel.parallel_mode={mode}"
-    if reason is None:
-        return
-    pc = out["parallel_config"]
-    cp, uly = pc.get("context_parallel", 1), pc.get("ulysses_degree_in_cp", 1)
-    if pc.get("context_parallel_algo") == "hybrid_cp" and _is_int(cp) and _is_int(uly) and uly >= 1 and cp % uly:
-        issues.append(ConfigIssue("parallel_config.ulysses_degree_in_cp", uly,
-                                  f"must divide parallel_config.context_parallel={cp} (checked before {reason} "
-                                  "resets it)", f"use one of {[d for d in range(1, cp + 1) if cp % d == 0]}"))
-    degrees = ("data_parallel", "model_parallel", "context_parallel", "pipeline_stage", "expert_parallel",
-               "ulysses_degree_in_cp")
-    valid = [k for k in degrees if _is_int(pc.get(k, 1)) and pc.get(k, 1) >= 1]
-    changed = [k for k in valid if pc.get(k, 1) != 1]
-    if pc.get("use_seq_parallel") is True:
-        changed.append("use_seq_parallel")
-    if changed:
-        warnings.warn(f"{reason}: MindFormers resets parallel_config {', '.join(changed)} "
-                      "(model parallelism off, data parallel over all devices)", ConfigWarning, stacklevel=5)
-    for k in valid:
-        pc[k] = 1
-    pc["use_seq_parallel"] = False
 
 
 def _is_int(v: Any) -> bool:

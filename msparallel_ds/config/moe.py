@@ -8,8 +8,10 @@ where noted), paths under mindformers/.
   :354-385 map to one TransformerConfig key (two of them at once is an error, :496-500); `moe_config:` is not
   read (template.py:701-702).
 - msparallel_ds folds expert parallel out of dp x cp x tp inside a pipeline stage, as blocks of ep consecutive
-  ranks (mcore / Megatron-Core), for both spellings: (dp*cp*tp) % ep == 0, and with ep > 1 and model_parallel > 1
-  sequence parallel, so that the tensor-parallel ranks of an expert-parallel group hold different tokens.
+  ranks (mcore / Megatron-Core), for both spellings: (dp*cp*tp) % ep == 0; each tp rank routes its own sequence
+  slice (with or without sequence parallel), so the tensor-parallel ranks of an expert-parallel group hold
+  different tokens. MoE with model_parallel > 1 and SP off is refused for the legacy moe_config only, as
+  MindFormers does (tools/check_rules.py:169-176 reads moe_config).
 """
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ LEGACY_FIELDS = {"num_experts": "expert_num", "top_k": "num_experts_chosen", "ca
                  "z_loss_coeff": "z_loss_factor", "shared_experts": "shared_expert_num",
                  "moe_intermediate_size": "moe_intermediate_size", "expert_bias": "balance_via_topk_bias",
                  "first_k_dense_replace": "first_k_dense_replace", "norm_topk_prob": "norm_topk_prob",
-                 "bias_update_rate": "topk_bias_update_rate", "expert_model_parallel": "expert_model_parallel"}
+                 "bias_update_rate": "topk_bias_update_rate", "expert_model_parallel": "expert_model_parallel",
+                 "routed_scaling_factor": "routed_scaling_factor"}
 # MoESettings field (or rule input) -> the model_config spellings of one TransformerConfig key (utils.py:247, :354-385)
 MCORE = {
     "num_experts": ("expert_num", "n_routed_experts", "num_experts", "num_moe_experts"),
@@ -58,10 +61,12 @@ MCORE = {
     "bias_update_rate": ("topk_bias_update_rate", "moe_router_bias_update_rate"),
     "first_k_dense_replace": ("first_k_dense_replace",),
     "norm_topk_prob": ("norm_topk_prob",),
+    "routed_scaling_factor": ("routed_scaling_factor", "moe_router_topk_scaling_factor"),  # utils.py:358
     "n_group": ("n_group", "moe_router_num_groups"),
     "topk_group": ("topk_group", "moe_router_group_topk"),
 }
-_NOT_MOE_ALONE = ("first_k_dense_replace", "norm_topk_prob", "n_group", "topk_group")  # also set by dense configs
+# also set by dense configs
+_NOT_MOE_ALONE = ("first_k_dense_replace", "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor")
 # every moe_* key MindFormers 2.1 reads (TransformerConfig fields, utils.py mapping): a near miss is a typo
 MCORE_MOE_KEYS = {n for names in MCORE.values() for n in names if n.startswith("moe_")} | {
     "moe_grouped_gemm", "moe_token_dispatcher_type", "moe_router_pre_softmax", "moe_router_score_function",
@@ -216,6 +221,7 @@ def _legacy(sec: dict, cfg: ParallelConfig, issues: list[ConfigIssue]) -> Option
         first_k_dense_replace=int(first_k) if first_k is not None else None,
         norm_topk_prob=r.get("norm_topk_prob", "bool"), expert_bias=r.get("balance_via_topk_bias", "bool", False),
         bias_update_rate=r.get("topk_bias_update_rate", "num"), expert_model_parallel=emp,
+        routed_scaling_factor=_scaling(r, "routed_scaling_factor"),
         aux_loss_scope="sub_sequence")  # each dp group's own tokens: modules/transformer/moe.py:493, :1413-1427
     use_gmm = r.get("use_gmm", "bool", False)
     if experts is None or experts <= 1 or r.bad:
@@ -240,6 +246,14 @@ def _legacy(sec: dict, cfg: ParallelConfig, issues: list[ConfigIssue]) -> Option
     dropless = use_gmm or capacity <= 0
     return _settings(**settings, capacity_factor=None if dropless else capacity, aux_loss_coeff=coeff,
                      keys=tuple(r.keys.items()))
+
+
+def _scaling(r: _Reader, name: str) -> Optional[float]:
+    value = r.get(name, "num")
+    if value is not None and value <= 0:
+        r.issue(name, value, "must be > 0 (it multiplies the routing weights: modules/transformer/moe.py:1195)",
+                "write e.g. 1.0 (no scaling)")
+    return value
 
 
 def _aux_terms(r: _Reader) -> dict[str, float]:
@@ -282,10 +296,14 @@ def _mcore(mc: dict, cfg: ParallelConfig, issues: list[ConfigIssue]) -> Any:
         ("moe_intermediate_size", MCORE["moe_intermediate_size"], "count", None),
         ("first_k_dense_replace", MCORE["first_k_dense_replace"], "int", None),
         ("norm_topk_prob", MCORE["norm_topk_prob"], "bool", None),
+        ("routed_scaling_factor", MCORE["routed_scaling_factor"], "num", None),
         ("expert_bias", MCORE["expert_bias"], "bool", False),
         ("bias_update_rate", MCORE["bias_update_rate"], "num", None),
         ("n_group", MCORE["n_group"], "count0", None), ("topk_group", MCORE["topk_group"], "count0", None))}
     experts, top_k, scope = got["num_experts"], got["top_k"], got["aux_loss_scope"]
+    if got["routed_scaling_factor"] is not None and got["routed_scaling_factor"] <= 0:
+        r.issue("routed_scaling_factor", got["routed_scaling_factor"], "must be > 0 (it multiplies the routing "
+                "weights: parallel_core/training_graph/transformer/moe/router.py:295)", "write e.g. 1.0 (no scaling)")
     if got["capacity_factor"] is not None and got["capacity_factor"] < 0:
         got["capacity_factor"] = None  # a negative capacity factor means dropless (transformer_config.py:2448-2450)
     if scope is not None and scope not in SCOPES:
@@ -313,7 +331,17 @@ def _mcore(mc: dict, cfg: ParallelConfig, issues: list[ConfigIssue]) -> Any:
     if r.bad:
         return None  # invalid values (reported)
     got["aux_loss_scope"] = SCOPES.get(scope, "sub_sequence")
-    got["z_loss_coeff"] = got["z_loss_coeff"] or 0.0
+    # The mcore MoE (parallel_core/training_graph/transformer/moe) has no capacity and no z-loss: the capacity
+    # factor is only validated (transformer_config.py:2448-2455) and moe_z_loss_coeff is read by nothing
+    for name, what in (("capacity_factor", "never drops tokens (the capacity factor is only validated: "
+                        "parallel_core/transformer_config.py:2448-2455; nothing under parallel_core/training_graph"
+                        "/transformer/moe reads it)"), ("z_loss_coeff", "has no router z-loss (the TopKRouter "
+                        "returns only the load-balancing loss: parallel_core/training_graph/transformer/moe/router.py"
+                        ":427-437)")):
+        if got[name]:
+            _warn(f"{r.keys.get(name, name)}={got[name]:g}: MindFormers' mcore MoE {what}; it has no effect here "
+                  "either (moe_config with use_legacy: true keeps capacity_factor and z_loss_factor)")
+    got["capacity_factor"], got["z_loss_coeff"] = None, 0.0
     return _settings(source="model_config", expert_model_parallel=None, keys=tuple(r.keys.items()), **got)
 
 
@@ -374,11 +402,9 @@ def _parallel_rules(cfg: ParallelConfig, s: Optional[Any], legacy: Optional[Mapp
                                    f"use one of {_divisors(dp * tp)}, or use_gmm: false"))
     sp_key, tp_key = k(f"{PC}.use_seq_parallel"), k(f"{PC}.model_parallel")
     if tp > 1 and not cfg.parallel_config.use_seq_parallel:
+        # only MindFormers' legacy MoE is refused (its check reads moe_config); mcore runs, each tp rank routing
+        # its own sequence slice (models/moe.py, style token_slice_block)
         if legacy is not None and cfg.parallel.parallel_mode == "semi_auto_parallel":
             out.append(ConfigIssue(sp_key, False, f"must be true for a MoE model with {tp_key}={tp} > 1 "
                                    "(tools/check_rules.py:169-176, :215)", "set use_seq_parallel: true"))
-        elif ep > 1:
-            out.append(ConfigIssue(sp_key, False, f"must be true with {ep_key}={ep} > 1 and {tp_key}={tp} > 1: the "
-                                   "expert-parallel groups span the tensor-parallel ranks, which then must hold "
-                                   "different tokens (sequence parallel)", "set use_seq_parallel: true"))
     return out

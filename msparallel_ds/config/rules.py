@@ -115,6 +115,11 @@ def _sequence_rules(cfg: ParallelConfig):
 
 
 def _interleave_rules(cfg: ParallelConfig):
+    mbi = cfg.micro_batch_interleave_num
+    if not cfg.use_legacy and mbi > 1:
+        yield ConfigIssue("micro_batch_interleave_num", mbi, "must be 1 for mcore models (use_legacy: false): "
+                          "MindFormers raises 'micro_batch_interleave_num > 1, is not supported when use_legacy=False' "
+                          "(trainer/base_trainer.py:544-545)", "set micro_batch_interleave_num: 1, or use_legacy: true")
     fgi = cfg.model.fine_grain_interleave
     if fgi > 1 and not cfg.parallel_config.use_seq_parallel and cfg.cp == 1:
         yield ConfigIssue(f"{MC}.fine_grain_interleave", fgi,
@@ -183,6 +188,13 @@ def _seq_pipeline_rules(cfg: ParallelConfig, sched: str, vpp: int):
         yield ConfigIssue(f"{MC}.use_ring_attention", True, f"is not allowed with {key}={sched}",
                           "set use_ring_attention: false, or pipeline_scheduler: 1f1b")
     runs = "interleaved 1F1B" if vpp > 1 else "1F1B"
+    if n <= 1:  # models/llama/llama.py:117-118: seq_pipe only when seq_split_num > 1 (seqvpp: an error above)
+        if sched != "seqvpp":
+            _warn(f"{key}={sched} with {PC}.seq_split_num=1: nothing is chunked, in MindFormers either (models/llama/"
+                  f"llama.py:117-118 cuts the sequence only when seq_split_num > 1): this runs {runs}, whole "
+                  "sequences per micro-batch, as MindFormers does; set seq_split_num > 1 for the sequence-chunked "
+                  "pipeline")
+        return
     _warn(f"{key}={sched}: the sequence-chunked pipeline (seq_split_num={n}) is not built yet; this runs {runs} with "
           f"the same math, holding whole sequences per micro-batch (about {n}x the activation memory of one "
           "sequence chunk in flight)")

@@ -5,9 +5,10 @@ gate_up_proj [E, 2I, H] and down_proj [E, H, I]; Qwen2-MoE adds a gated `shared_
 Attention, norms, embedding and head are the Llama family's (models/llama.py). What differs:
 - the experts are split over the ep group, not over tp (MindFormers mcore / Megatron-Core: EP folds tp in), so the
   HF tp plan's expert entries are dropped and `ep_plan` marks them (style ep_experts, shard spec: expert dim 0);
-- with tp > 1 the MoE block runs on this rank's sequence slice (sequence parallel is required, as MindFormers
-  requires it): no all-gather before it; the router and shared experts are replicated over tp with their grads
-  summed over tp (style sequence_parallel), like the norms;
+- with tp > 1 the MoE block runs on this rank's sequence slice: under sequence parallel no all-gather before it;
+  without it (mcore MindFormers allows that; only the legacy moe_config is refused, tools/check_rules.py:169-176)
+  the block cuts the slice and all-gathers its output (style token_slice_block); the router and shared experts
+  are replicated over tp with their grads summed over tp (style sequence_parallel), like the norms;
 - dense layers (mlp_only_layers, decoder_sparse_step) keep the Llama MLP plan.
 """
 from __future__ import annotations
@@ -84,18 +85,17 @@ class MoEFamily(LlamaFamily):
     def tp_plan(self, config: Any, tp: int, *, sequence_parallel: bool = False,
                 vocab_parallel: bool = False) -> dict[str, str]:
         moe = self.moe_layers(config)
-        if moe and tp > 1 and not sequence_parallel:
-            raise ValueError(f"parallel_config.use_seq_parallel=False with model_parallel={tp} on a mixture-of-experts "
-                             f"model ({config.model_type}): MoE layers with model_parallel > 1 need sequence parallel "
-                             "(MindFormers' check_rules and Megatron-Core both require it; each tp rank routes its own "
-                             "sequence slice). Set parallel_config.use_seq_parallel: true")
         plan = super().tp_plan(config, tp, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
         plan = {p: s for p, s in plan.items() if ".experts" not in p}  # experts: ep, never tp (mcore folding)
         if not moe:
             return plan
         layers = f"{self.prefix}.layers"
-        first = {f"{layers}.{i}.mlp": "sequence_parallel" for i in moe}  # the block runs on the sequence slice
-        first.update({f"{layers}.{i}.mlp.{name}": "sequence_parallel" for i in moe for name in _REPLICATED_IN_BLOCK})
+        # the block runs on this rank's sequence slice; without SP it cuts the slice itself and gathers its output
+        # (each tp rank routes its own tokens either way, as MindFormers' dp*cp*tp router shards do)
+        block, inner = ("sequence_parallel", "sequence_parallel") if sequence_parallel else \
+            ("token_slice_block", "replicated_with_grad_allreduce")  # (a sequence_* style would mean SP is on)
+        first = {f"{layers}.{i}.mlp": block for i in moe}
+        first.update({f"{layers}.{i}.mlp.{name}": inner for i in moe for name in _REPLICATED_IN_BLOCK})
         return {**first, **plan}  # first match wins: these precede the dense layers' `layers.*.mlp` entries
 
     # ------------------------------------------------------------------------------------------ checkpoints

@@ -10,11 +10,16 @@ micro-batch, over "shards" (the tokens one rank's router sees: its rows' sequenc
 
 and the scope (moe_router_load_balancing_type) says over which shards f is averaged first:
 - "sub_sequence" (sub_seq_aux_loss, MindFormers' default; the legacy MoE): each shard its own f;
-- "sequence" (seq_aux_loss): f averaged over the shards of the same rows (the cp x tp ranks of a dp rank);
-- "global_batch" (gbs_aux_loss): f averaged over every shard of the step's micro-batch (dp x cp x tp). MindFormers
-  also accumulates f over the micro-batches of a step; here each micro-batch uses its own (identical when
-  gradient_accumulation_steps = 1).
-z-loss (moe_z_loss_coeff / z_loss_factor): coeff x mean over tokens of logsumexp(router_logits)^2, mean over shards.
+- "sequence" (seq_aux_loss): f averaged over the tp shards of the same rows and cp chunk (router.py:405 reshapes the
+  dp*cp*tp shards to (dp*cp, tp) and averages over tp only; under ulysses cp a cp chunk is a contiguous sequence
+  chunk, as there; a ring's zigzag chunks are this rank's two halves);
+- "global_batch" (gbs_aux_loss): f averaged over every shard of the micro-batch (dp x cp x tp), then accumulated over
+  the step's micro-batches (router.py:408-419: fi_accu += that mean, and the micro-batch uses fi_accu / sum(fi_accu),
+  the running mean of the step's micro-batches so far; reset at step end, core/callback/callback.py:531-539 ->
+  gpt_model.py:675-679). A step's forwards per router (micro-batches x interleaved copies) start a new sum, and
+  the engines reset it at every step end too.
+z-loss (legacy moe_config z_loss_factor, modules/transformer/moe_utils.py ZLoss; the mcore router has none):
+coeff x mean over tokens of logsumexp(router_logits)^2, mean over shards.
 
 The loss never enters the logits: like Megatron-Core's MoEAuxLossAutoScaler, the router's routing weights pass
 through `AuxLossScaler`, whose backward hands the aux term a gradient of `scale` (set by the engine so the term is
@@ -63,6 +68,25 @@ class AuxLossScaler(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=ctx.value.dtype, device=grad.device), None, None
 
 
+def _recomputing() -> bool:
+    """Inside a backward: a non-reentrant checkpoint recomputing this forward (recompute.py)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _WeightedSum(torch.autograd.Function):
+    """sum(p * f) with the constant f kept on the node, not saved as a tensor: a recompute (non-reentrant
+    checkpoint replaces saved tensors by recomputed ones) cannot swap in another f."""
+
+    @staticmethod
+    def forward(ctx, p: Tensor, f: Tensor) -> Tensor:
+        ctx.f = f
+        return (p * f).sum()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad * ctx.f, None
+
+
 @dataclass
 class AuxLoss:
     """One model part's aux-loss state: the rule, the engine's gradient scale and the values of the last forwards."""
@@ -76,11 +100,38 @@ class AuxLoss:
     scale: float = 1.0
     routers: int = 0  # MoE layers hooked (install_aux_loss)
     score: str = "softmax"  # the router's score function: "softmax" | "sigmoid"
+    forwards_per_step: int = 1  # trained forwards per router and optimizer step (gbs_aux_loss's f accumulates)
 
     def __post_init__(self):
         if self.scope not in SCOPES:
             raise ValueError(f"aux loss scope {self.scope!r}: must be one of {', '.join(SCOPES)}")
         self.values: list[Tensor] = []  # this rank's shares of the forwards back-propagated since the last pop
+        self._accu: dict[int, Tensor] = {}  # router id -> gbs_aux_loss's fi_accu of this step
+        self._seen: dict[int, int] = {}  # router id -> trained forwards since the last end_step
+        self._passed: Optional[set[int]] = None  # routers whose shape-inference forward was let pass (skip_inference)
+
+    def skip_inference(self) -> None:
+        """The next trained forward of each router is torch.distributed.pipelining's shape inference (a forward +
+        backward before the step's micro-batches): it does not enter gbs_aux_loss's accumulated f."""
+        self._passed = set()
+
+    def end_step(self) -> None:
+        """The optimizer step is over: gbs_aux_loss's accumulated f starts again at zero (MindFormers'
+        reset_accu_gbs_fi)."""
+        self._accu.clear()
+        self._seen.clear()
+
+    def _accumulate(self, key: int, f: Tensor) -> Tensor:
+        """router.py:408-419: fi_accu += f (this micro-batch's global mean); the micro-batch uses fi_accu / sum."""
+        if self._passed is not None and key not in self._passed:
+            self._passed.add(key)
+            if len(self._passed) >= self.routers:
+                self._passed = None
+            return f / f.sum()
+        n = self._seen.get(key, 0)
+        accu = f if n % self.forwards_per_step == 0 else self._accu[key] + f
+        self._accu[key], self._seen[key] = accu, n + 1
+        return accu / accu.sum()
 
     def _mean_over(self, t: Tensor, names: tuple[str, ...]) -> Tensor:
         n = 1
@@ -89,8 +140,9 @@ class AuxLoss:
             n *= self.layout.size(name)
         return t / n
 
-    def term(self, logits: Tensor, top_k_index: Tensor) -> Tensor:
-        """This shard's share of the layer's aux + z loss (the shares of all shards sum to the layer's loss)."""
+    def term(self, logits: Tensor, top_k_index: Tensor, key: int = 0) -> Tensor:
+        """This shard's share of the layer's aux + z loss (the shares of all shards sum to the layer's loss) for the
+        router `key` (its id: gbs_aux_loss accumulates per router)."""
         lay = self.layout
         shards = lay.size("dp_cp") * lay.size("tp")
         total = logits.new_zeros((), dtype=torch.float32)
@@ -105,10 +157,11 @@ class AuxLoss:
                 f = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts)[: self.num_experts].float()
                 f /= max(top_k_index.numel(), 1)
                 if self.scope == "sequence":
-                    f = self._mean_over(f, ("cp", "tp"))
-                elif self.scope == "global_batch":
-                    f = self._mean_over(f, ("dp_cp", "tp"))
-            total = total + self.coeff * self.num_experts * (probs * f).sum() / shards
+                    f = self._mean_over(f, ("tp",))
+                elif self.scope == "global_batch" and not _recomputing():
+                    f = self._accumulate(key, self._mean_over(f, ("dp_cp", "tp")))
+                # (recomputing: f is a placeholder, the first forward's stays on its _WeightedSum node)
+            total = total + self.coeff * self.num_experts * _WeightedSum.apply(probs, f) / shards
         if self.z_coeff:
             total = total + self.z_coeff * torch.logsumexp(logits, dim=-1).square().mean() / shards
         return total
@@ -118,7 +171,8 @@ class AuxLoss:
         if not trained_forward(router, output):
             return output
         logits, weights, index = output
-        return logits, AuxLossScaler.apply(weights, self.term(logits, index), self.scale, self.values), index
+        term = self.term(logits, index, id(router))
+        return logits, AuxLossScaler.apply(weights, term, self.scale, self.values), index
 
     def pop_total(self, last: Optional[int] = None) -> Tensor:
         """The sum of the values recorded since the last call (this rank's shares, every layer and micro-batch that

@@ -69,6 +69,9 @@ def moe_notes(cfg: "ParallelConfig", mesh: "Mesh") -> list[str]:
         (f"; router expert bias (aux-loss-free balancing, update rate {s.bias_update_rate:g})" if s.expert_bias
          and s.bias_update_rate is not None else "; router expert bias (aux-loss-free balancing)" if s.expert_bias
          else "")
+    if s.norm_topk_prob is not None or s.routed_scaling_factor is not None:  # the YAML's, over the HF config's
+        norm = {True: "normalised over the top-k", False: "not normalised", None: "normalised as the HF model does"}
+        extra += f"; routing weights {norm[s.norm_topk_prob]}, x{s.routed_scaling_factor or 1:g} (router.py:290-295)"
     dense = f"; the first {s.dense_layers} layer(s) dense" if s.dense_layers else ""
     notes.append(f"MoE ({s.source}): {experts}, {top}, {route}; {aux}{extra}{dense}")
     if not s.num_experts:

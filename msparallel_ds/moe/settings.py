@@ -37,6 +37,7 @@ class MoESettings:
     expert_bias: bool                  # moe_router_enable_expert_bias / balance_via_topk_bias (moe.expert_bias)
     bias_update_rate: Optional[float]
     expert_model_parallel: Optional[int]  # legacy only
+    routed_scaling_factor: Optional[float] = None  # routing weights x this (router.py:295); None: the HF model's
     # (field, YAML key path as written) for messages; not part of the settings' value
     keys: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 

@@ -176,6 +176,10 @@ class PipelineEngine:
         shape = tuple(ids.shape)
         if self._batch_shape is not None and shape != self._batch_shape:
             reset_stage_shapes(self.schedule, self.stages, self._batch_shape, shape)
+        if shape != self._batch_shape:  # this step starts with a shape-inference forward of every stage
+            for record in self._records:
+                if record.aux_loss is not None:
+                    record.aux_loss.skip_inference()
         self._batch_shape = shape
 
     def _sync_and_clip(self):
@@ -207,6 +211,8 @@ class PipelineEngine:
         if not losses:
             return
         t = sum(aux.pop_total(last=aux.routers * self._forwards).float().cpu() for aux in losses).to(self.device)
+        for aux in losses:
+            aux.end_step()
         for name in ("dp_cp", "tp", "pp"):
             sum_over(self.layout, name, t)
         self.last_aux_loss = float(t) / self.plan.micro_batch_num

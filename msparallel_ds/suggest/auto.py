@@ -1,10 +1,12 @@
-"""parallel_mode: 2 (auto_parallel): MindSpore chooses the strategy itself; here suggest chooses it.
+"""parallel_mode: 2 (auto_parallel): MindSpore searches the operator sharding itself; here suggest searches it.
 
     source = auto_parallel_source("run.yaml", world_size=64)   # the chosen YAML dict, or "run.yaml" unchanged
 
 Used by `msparallel-ds plan` and `msp.initialize` before the config is loaded, so every path that reads a YAML
-runs what suggest picked, with a ConfigWarning saying what that was (the hand-written degrees are ignored, as
-MindSpore's auto-parallel mode ignores them)."""
+runs what suggest picked, with a ConfigWarning saying what that was. The hand-written operator-sharding degrees
+(data / model / context / expert parallel, sequence parallel) are ignored, as MindSpore's auto-parallel mode ignores
+them; the pipeline (pipeline_stage, schedule, micro_batch_num), micro_batch_interleave_num, gradient accumulation and
+the global batch are the YAML's, as MindSpore keeps them (suggest.search.resolve_auto_parallel)."""
 from __future__ import annotations
 
 import os
@@ -54,5 +56,6 @@ def auto_parallel_source(source: Any, *, world_size: Optional[int] = None,
         return source
     world = world_size or (int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else None)
     chosen, note = resolve_auto_parallel(data, world, device_memory_bytes or _device_memory(data))
-    warnings.warn(note + "; the hand-written parallel_config degrees are not used", ConfigWarning, stacklevel=2)
+    warnings.warn(note + "; the hand-written operator-sharding degrees (data/model/context/expert parallel) are not "
+                  "used", ConfigWarning, stacklevel=2)
     return chosen

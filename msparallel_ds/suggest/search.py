@@ -14,7 +14,7 @@ from ..memory import estimate_memory
 from ..plan import Plan, make_plan
 from .cost import Links, step_cost, why
 from .model import ModelSpec, read_model
-from .space import RECOMPUTE, Layout, structures, to_yaml, with_knobs, zero_levels
+from .space import RECOMPUTE, Kept, Layout, structures, to_yaml, with_knobs, zero_levels
 
 GIB = float(1 << 30)
 HEADROOM = 0.9
@@ -77,7 +77,7 @@ def evaluate(spec: ModelSpec, lay: Layout, world: int, links: Links, budget_gib:
 
 
 def search(spec: ModelSpec, world: int, device_memory_bytes: float, links: Links = Links(),
-           headroom: float = HEADROOM, keep_all: bool = False) -> SearchResult:
+           headroom: float = HEADROOM, keep_all: bool = False, fixed: Optional[Kept] = None) -> SearchResult:
     if not spec.global_batch:
         raise ConfigError([_issue("global_batch_size", None, "is needed (the model file does not give it)",
                                   "pass --global-batch-size")])
@@ -88,7 +88,7 @@ def search(spec: ModelSpec, world: int, device_memory_bytes: float, links: Links
     kept: list[Candidate] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for base in structures(spec, world, pruned, max(links.devices_per_node, 1)):
+        for base in structures(spec, world, pruned, max(links.devices_per_node, 1), fixed):
             counts["structures"] += 1
             zs = zero_levels(base)
             for rc in RECOMPUTE:
@@ -159,9 +159,12 @@ def cost_of_yaml(source: Any, links: Links = Links(), world_size: Optional[int] 
 
 def resolve_auto_parallel(cfg_or_yaml: Any, world_size: Optional[int] = None, device_memory_bytes: float = 80 * GIB,
                           links: Links = Links()) -> tuple[dict, str]:
-    """MindFormers' parallel_mode: 2 (auto_parallel) asks the framework to choose the strategy: choose it with
-    suggest. Returns (the chosen MindFormers YAML dict, a one-line note). The world size defaults to the YAML's
-    degrees' product, the global batch to the YAML's."""
+    """MindFormers' parallel_mode: 2 (auto_parallel): MindSpore searches operator sharding only (mindspore
+    auto_parallel with its sharding propagation / recursive programming), and the pipeline comes from the
+    parallel context as written. So the YAML's pipeline_stage, pipeline schedule (pp_interleave_num,
+    pipeline_scheduler, offset), micro_batch_num / gradient_accumulation_steps, micro_batch_interleave_num and global
+    batch stay, and suggest searches the rest (dp, tp, cp, SP, ep, ZeRO level, recompute). Returns (the chosen
+    MindFormers YAML dict, a one-line note). The world size defaults to the YAML's degrees' product."""
     from .model import _read, hand_written_world
 
     if hasattr(cfg_or_yaml, "source") and hasattr(cfg_or_yaml, "parallel_config"):
@@ -170,11 +173,39 @@ def resolve_auto_parallel(cfg_or_yaml: Any, world_size: Optional[int] = None, de
     data, _ = _read(cfg_or_yaml)
     world = world_size or hand_written_world(data)
     spec = read_model(data)
-    res = search(spec, world, device_memory_bytes, links)
+    kept = _kept(data)
+    res = search(spec, world, device_memory_bytes, links, fixed=kept)
+    what = (f"pipeline_stage={kept.pp}" + (f", {kept.schedule} x{kept.vpp}, micro_batch_num={kept.micro_batches}"
+                                           if kept.pp > 1 else f", gradient_accumulation_steps={kept.micro_batches}")
+            + f", micro_batch_interleave_num={kept.mbi}, global batch {spec.global_batch}")
     if not res.candidates:
-        raise ConfigError([_issue("parallel.parallel_mode", "auto_parallel", f"no layout of {world} devices fits "
-                                  f"{device_memory_bytes / GIB:.0f} GiB", "use more devices or a smaller batch")])
+        raise ConfigError([_issue("parallel.parallel_mode", "auto_parallel", f"no layout of {world} devices with the "
+                                  f"YAML's {what} (kept: MindSpore's auto_parallel searches operator sharding only) "
+                                  f"fits {device_memory_bytes / GIB:.0f} GiB",
+                                  "use more devices, another pipeline_stage / micro_batch_num, or a smaller batch")])
     best = res.candidates[0]
+    chosen = best.yaml()
+    if kept.pp > 1:  # the YAML's own pipeline section and layer offsets, as MindSpore keeps them
+        pipeline = (data.get("parallel") or {}).get("pipeline_config")
+        offset = ((data.get("model") or {}).get("model_config") or {}).get("offset")
+        if pipeline is not None:
+            chosen["parallel"]["pipeline_config"] = pipeline
+        if offset is not None:
+            chosen["model"]["model_config"]["offset"] = offset
     note = (f"parallel_mode auto_parallel: suggest chose {best.label} out of {res.counts['kept']} layouts that fit "
-            f"(predicted {best.step_time:.3g} s/step, {best.memory_gib:.1f} GiB/rank)")
-    return best.yaml(), note
+            f"(predicted {best.step_time:.3g} s/step, {best.memory_gib:.1f} GiB/rank), keeping the YAML's {what}")
+    return chosen, note
+
+
+def _kept(data: dict) -> Kept:
+    """The YAML's pipeline and batch split (read through load_config, degrees as written)."""
+    from ..config.rules import virtual_stages
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = load_config(data)
+    pp = cfg.pp
+    return Kept(pp=pp, vpp=virtual_stages(cfg) if pp > 1 else 1,
+                schedule=cfg.parallel.pipeline_config.pipeline_scheduler if pp > 1 else None,
+                micro_batches=cfg.parallel_config.micro_batch_num if pp > 1 else
+                cfg.runner_config.gradient_accumulation_steps, mbi=cfg.micro_batch_interleave_num)

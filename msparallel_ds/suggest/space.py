@@ -115,20 +115,44 @@ def _batches(spec: ModelSpec, dp: int, pp: int, mbi: int) -> list[tuple[int, int
     return [(b, rows // b) for b in sizes if rows % b == 0 and (pp == 1 or rows // b >= pp)]
 
 
-def structures(spec: ModelSpec, world: int, pruned: dict, max_tp: int = 8) -> Iterator[Layout]:
-    """Every structural layout (ZeRO 0, no recompute) that passes the cheap checks."""
+@dataclass(frozen=True)
+class Kept:
+    """What MindSpore's auto_parallel (parallel_mode 2) does not search, so the YAML's values stay: the pipeline
+    (pipeline_stage, virtual chunks, scheduler), micro_batch_num (pp > 1) or gradient_accumulation_steps (pp = 1),
+    and micro_batch_interleave_num; with the global batch they fix the micro-batch size for each dp."""
+
+    pp: int
+    vpp: int
+    schedule: Optional[str]
+    micro_batches: int
+    mbi: int
+
+
+def _kept_batches(spec: ModelSpec, dp: int, kept: Kept) -> list[tuple[int, int]]:
+    rows, rem = divmod(spec.global_batch, dp * kept.mbi * kept.micro_batches)
+    return [] if rem or rows == 0 else [(rows, kept.micro_batches)]
+
+
+def structures(spec: ModelSpec, world: int, pruned: dict, max_tp: int = 8,
+               kept: Optional[Kept] = None) -> Iterator[Layout]:
+    """Every structural layout (ZeRO 0, no recompute) that passes the cheap checks (only those with `kept`'s
+    pipeline and batch split when given)."""
     for dp, tp, cp, pp in _meshes(spec, world, pruned, max_tp):
+        if kept is not None and pp != kept.pp:
+            continue
         eps = [1]
         if spec.moe:
             eps = [e for e in divisors(dp * cp * tp) if spec.experts % e == 0 and _pow2(e)] or [1]
         scheds = [(1, None)] if pp == 1 else [(v, s) for v, s in SCHEDULES if spec.layers >= pp * v]
-        if pp > 1 and len(scheds) < len(SCHEDULES):
+        if kept is not None:
+            scheds = [(1, None)] if pp == 1 else [(kept.vpp, kept.schedule)]
+        elif pp > 1 and len(scheds) < len(SCHEDULES):
             pruned["layers < pp x vpp"] = pruned.get("layers < pp x vpp", 0) + len(SCHEDULES) - len(scheds)
         for sp in ((False, True) if tp > 1 else (False,)):
             for algo, u in _cp_options(spec, tp, cp):
                 for vpp, sched in scheds:
-                    for mbi in (1, 2):
-                        batches = _batches(spec, dp, pp, mbi)
+                    for mbi in ((1, 2) if kept is None else (kept.mbi,)):
+                        batches = _batches(spec, dp, pp, mbi) if kept is None else _kept_batches(spec, dp, kept)
                         if not batches:
                             pruned["global batch % (dp x mbi)"] = pruned.get("global batch % (dp x mbi)", 0) + 1
                         for b, m in batches:

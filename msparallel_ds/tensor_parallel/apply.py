@@ -26,6 +26,8 @@ styles, never a model's module names:
 |                                  | gathers its input; backward keeps this rank's slice                        |
 | copy_input                     | (no SP) a block whose inner layers take partial grads: identity forward, its   |
 |                                | input grad all-reduced once in backward (Megatron's f, for the whole block)    |
+| token_slice_block              | (no SP) a MoE block: runs on this rank's sequence slice (split in, all-gather  |
+|                                | out), its replicated weights' grads summed over tp                             |
 
 Parameters are cut by the shard spec (tensor_parallel/spec.py), which derives from the same styles. The adapter
 then sets the attention modules' local head counts. On a whole model, vocab parallel also replaces the model's
@@ -48,7 +50,7 @@ from torch import Tensor, nn
 from ..labels import IGNORE_INDEX
 from ..models import DecoderAdapter, adapter_for
 from .layers import ColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear
-from .mappings import copy_to_region, gather_from_sequence_region, scatter_to_region
+from .mappings import copy_to_region, gather_from_region, gather_from_sequence_region, scatter_to_region
 from .replicated import mark
 from .spec import compile_pattern, style_of
 from .vocab import ParallelLMHead, ReplicatedLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -60,7 +62,7 @@ __all__ = ["STYLES", "apply_tp", "tp_parallelize", "tp_plan", "vocab_parallel_ca
 
 STYLES = ("colwise", "rowwise", "colwise_gathered", "colwise_kv_replicated", "replicated_with_grad_allreduce",
           "vocab_embedding", "vocab_lm_head", "sequence_parallel", "sequence_scatter_input", "sequence_gather_input",
-          "sequence_gather_input_replicated", "copy_input")
+          "sequence_gather_input_replicated", "copy_input", "token_slice_block")
 SEQ_DIM = 1  # HF hidden states are [batch, seq, hidden]
 
 
@@ -81,6 +83,21 @@ def _map_hidden_input(module: nn.Module, fn) -> None:
         return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
 
     module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _split_block(module: nn.Module, group) -> None:
+    """tp without sequence parallel, a block that must see each tp rank's own tokens (a MoE block: MindFormers
+    routes dp*cp*tp token shards whether or not SP is on): its replicated weights' grads are summed over tp, its
+    input is split over the sequence (backward: all-gather) and its output all-gathered (backward: split)."""
+    mark(module, group)
+    _map_hidden_input(module, lambda x: scatter_to_region(x, group, SEQ_DIM))
+
+    def gather(mod, args, out):
+        if isinstance(out, tuple):
+            return (gather_from_region(out[0], group, SEQ_DIM), *out[1:])
+        return gather_from_region(out, group, SEQ_DIM)
+
+    module.register_forward_hook(gather)
 
 
 def _set(part: nn.Module, name: str, new: nn.Module) -> None:
@@ -130,6 +147,8 @@ def apply_tp(part: nn.Module, layout: ParallelLayout, adapter: DecoderAdapter, p
             _map_hidden_input(module, lambda x: gather_from_sequence_region(x, group, SEQ_DIM))
         elif style == "copy_input":
             _map_hidden_input(module, lambda x: copy_to_region(x, group))
+        elif style == "token_slice_block":
+            _split_block(module, group)
         else:
             _set(part, name, _replacement(name, style, module, group, sp, n_kv))
     if not matched:
