@@ -48,8 +48,8 @@ def main() -> None:
 
     model = tiny_llama(seed=args.seed)
     if plan.optimizer:
-        optimizer = accelerator.yaml_optimizer(model.parameters())
-        source = "the YAML's optimizer"
+        optimizer = accelerator.yaml_optimizer(model)  # msp.build_optimizer: the type's maths, MindFormers' groups
+        source = f"the YAML's {plan.optimizer['mindformers_type']}"
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=DEFAULT_LR)
         source = "the example's default (the YAML has no optimizer: section)"
@@ -57,13 +57,15 @@ def main() -> None:
         for group in optimizer.param_groups:
             group["lr"] = args.lr
         source = "--lr"
-    sched = accelerator.deepspeed_plugin.deepspeed_config.get("scheduler")
-    if sched and args.lr is not None and "warmup_max_lr" in sched["params"]:
-        sched["params"]["warmup_max_lr"] = args.lr  # the schedule's peak follows --lr
+    # msp.build_lr_scheduler: MindFormers' formula per optimizer step (total_steps: -1 becomes --max-steps)
+    sched = accelerator.yaml_lr_scheduler(optimizer, total_steps=args.max_steps) if args.lr is None else None
     accelerator.print(f"optimizer: {type(optimizer).__name__} lr={optimizer.param_groups[0]['lr']} ({source}); "
-                      + (f"lr schedule: {sched['type']} {sched['params']} (the YAML's lr_schedule)" if sched
-                         else "lr schedule: constant (the YAML has none)"))
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # parallelized here
+                      + (f"lr schedule: {plan.lr_schedule['type']} (the YAML's lr_schedule)" if sched
+                         else "lr schedule: constant"))
+    if sched is not None:
+        model, optimizer, loader, sched = accelerator.prepare(model, optimizer, loader, sched)  # parallelized here
+    else:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     model.train()
     step, micro_losses = 0, []
@@ -72,6 +74,8 @@ def main() -> None:
             loss = model(**batch).loss
             accelerator.backward(loss)
             optimizer.step()
+            if sched is not None:
+                sched.step()  # once per optimizer step (skipped on accumulation micro-steps)
             optimizer.zero_grad()
         micro_losses.append(accelerator.reduce_loss(loss))
         if accelerator.sync_gradients:

@@ -31,30 +31,17 @@ DEFAULT_LR = 3e-3  # only when the YAML has no optimizer section and no --lr is 
 
 
 def optimizer_choice(plan, lr):
-    """(optimizer factory or None for the YAML's, deepspeed_config overrides, a line saying what runs)."""
-    yaml_opt = plan.optimizer
-    if yaml_opt and yaml_opt["type"] != "AdamW" and lr is None:
-        return None, {}, f"optimizer: the YAML's {yaml_opt['mindformers_type']} (msp.initialize decides)"
-    params = dict(yaml_opt["params"]) if yaml_opt and yaml_opt["type"] == "AdamW" else {}
-    source = "the YAML's optimizer" if params else "the example's default (the YAML has no optimizer: section)"
-    if lr is not None:
-        params["lr"], source = lr, "--lr" + (" over the YAML's optimizer" if yaml_opt else "")
-    params.setdefault("lr", DEFAULT_LR)
-    if "betas" in params:
-        params["betas"] = tuple(params["betas"])
-    overrides = {}
-    sched = plan.to_deepspeed().get("scheduler")
-    if sched and lr is not None and plan.mesh.pp == 1 and "warmup_max_lr" in sched["params"]:
-        sched = {**sched, "params": {**sched["params"], "warmup_max_lr": lr}}
-        overrides["scheduler"] = sched  # the schedule's peak follows --lr
-    what = (f"lr schedule: {sched['type']} {sched['params']} (the YAML's lr_schedule)" if sched
-            else "lr schedule: constant (the YAML has none)")
-    if sched and lr is not None and not overrides:
-        what += ", its peak lr unchanged by --lr under pipeline_stage > 1"
-    line = f"optimizer: AdamW {params} ({source}); {what}"
-    if yaml_opt and lr is None:  # exactly what msp.initialize builds from the YAML
-        return None, {}, line
-    return (lambda p: torch.optim.AdamW(p, **params)), overrides, line
+    """(optimizer factory or None for the YAML's, lr_scheduler or None for the YAML's, a line saying what runs)."""
+    yaml_opt, sched = plan.optimizer, plan.lr_schedule
+    if yaml_opt and lr is None:  # msp.build_optimizer / msp.build_lr_scheduler, as msp.initialize builds them
+        what = f"lr schedule: {sched['type']} (the YAML's lr_schedule)" if sched else "constant lr"
+        return None, None, f"optimizer: the YAML's {yaml_opt['mindformers_type']} as {yaml_opt['runs_as']}; {what}"
+    params = dict(yaml_opt["params"]) if yaml_opt else {}  # --lr over the YAML's betas / eps / weight decay
+    params = {k: tuple(v) if k == "betas" else v for k, v in params.items() if k in ("betas", "eps", "weight_decay")}
+    params["lr"] = DEFAULT_LR if lr is None else lr
+    source = "--lr" if lr is not None else "the example's default (the YAML has no optimizer: section)"
+    no_schedule = lambda opt: None  # noqa: E731  --lr: a constant rate, the YAML's schedule left out
+    return (lambda p: torch.optim.AdamW(p, **params)), no_schedule, f"optimizer: AdamW {params} ({source})"
 
 
 def main() -> None:
@@ -73,8 +60,9 @@ def main() -> None:
     quiet_deepspeed()  # before DeepSpeed is imported: no per-rank accelerator line or FutureWarning
     torch.set_num_threads(1)
     cfg = msp.load_config(args.config)
-    optimizer, overrides, line = optimizer_choice(msp.make_plan(cfg), args.lr)
-    engine = msp.initialize(tiny_llama, cfg, optimizer=optimizer, deepspeed_config=overrides or None)
+    optimizer, lr_scheduler, line = optimizer_choice(msp.make_plan(cfg), args.lr)
+    engine = msp.initialize(tiny_llama, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                            total_steps=args.max_steps)  # total_steps: the YAML's `total_steps: -1`
     lay = engine.layout
     if lay.global_rank == 0:
         print(engine.plan.summary(), flush=True)

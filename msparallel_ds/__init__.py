@@ -46,6 +46,8 @@ _LAZY = {  # torch-heavy parts load on first use, so `msparallel-ds plan` stays 
     "parallelize": ("strategy", "parallelize"),
     "initialize": ("engine", "initialize"),
     "Engine": ("engine", "Engine"),
+    "build_optimizer": ("optim", "build_optimizer"),
+    "build_lr_scheduler": ("optim", "build_lr_scheduler"),
 }
 
 
@@ -59,5 +61,5 @@ def __getattr__(name):
 
 
 __all__ = ["ConfigError", "ConfigWarning", "Engine", "ParallelConfig", "Plan", "ParallelLayout",
-           "context_parallel_attention", "from_pretrained", "init_parallel", "initialize", "load_config", "make_plan",
+           "build_lr_scheduler", "build_optimizer", "context_parallel_attention", "from_pretrained", "init_parallel", "initialize", "load_config", "make_plan",
            "parallelize", "shard_batch", "shard_sequence", "unshard_sequence"]

@@ -32,14 +32,12 @@ def _quiet() -> None:
 DEFAULT_ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
 
 
-def _adamw(plan):
-    """The YAML's AdamW as msp.initialize builds it, or the demo's default when the YAML has no optimizer section."""
+def _optimizer(cfg):
+    """None (msp.initialize builds the YAML's optimizer), or the demo's default AdamW when the YAML has none."""
     import torch
 
-    from msparallel_ds.runtime import torch_optimizer
-
-    if plan.optimizer:
-        return torch_optimizer(plan)
+    if cfg.optimizer is not None:
+        return None
     return lambda params: torch.optim.AdamW(params, **DEFAULT_ADAMW)
 
 
@@ -48,7 +46,7 @@ def _worker(rank: int, world: int, cfg, batches, send) -> None:
     from msparallel_ds.tiny import dp_rows, tiny_llama
 
     _quiet()
-    engine = msp.initialize(tiny_llama(), cfg, optimizer=_adamw(msp.make_plan(cfg, world_size=world)))
+    engine = msp.initialize(tiny_llama(), cfg, optimizer=_optimizer(cfg), total_steps=len(batches))
     for step, batch in enumerate(batches):
         loss = engine.train_batch(dp_rows(batch, engine.layout))
         if rank == 0:
@@ -56,13 +54,17 @@ def _worker(rank: int, world: int, cfg, batches, send) -> None:
 
 
 def reference_losses(cfg, plan, batches) -> list[float]:
-    """The same steps in one process: unsharded model, HF loss over the global batch, AdamW, clip_grad_norm_."""
+    """The same steps in one process: unsharded model, HF loss over the global batch, the YAML's optimizer and lr
+    schedule (msp.build_optimizer / msp.build_lr_scheduler, as msp.initialize builds them), clip_grad_norm_."""
     import torch
 
+    import msparallel_ds as msp
     from msparallel_ds.tiny import tiny_llama
 
     model = tiny_llama()
-    opt = _adamw(plan)(model.parameters())
+    default = _optimizer(cfg)
+    opt = msp.build_optimizer(model, cfg) if default is None else default(model.parameters())
+    sched = msp.build_lr_scheduler(opt, cfg, total_steps=len(batches))
     losses = []
     for batch in batches:
         loss = model(**batch).loss
@@ -71,6 +73,8 @@ def reference_losses(cfg, plan, batches) -> list[float]:
         if plan.gradient_clipping:
             torch.nn.utils.clip_grad_norm_(model.parameters(), plan.gradient_clipping)
         opt.step()
+        if sched is not None:
+            sched.step()
         losses.append(loss.item())
     return losses
 
@@ -147,7 +151,8 @@ def run_demo(config: Optional[str] = None, nproc: Optional[int] = None, steps: i
     run_local(_worker, world, (cfg, batches), timeout=timeout, on_message=progress)
     parallel_s = time.monotonic() - start
 
-    echo(f"\nthe same {steps} steps in one process (unsharded model, HF loss, torch AdamW, clip_grad_norm_):")
+    echo(f"\nthe same {steps} steps in one process (unsharded model, HF loss, the same optimizer and "
+         "schedule, clip_grad_norm_):")
     ref = reference_losses(cfg, plan, batches)
     diffs = [abs(a - b) for a, b in zip(losses, ref)]
     worst = max(diffs)

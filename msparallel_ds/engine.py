@@ -248,16 +248,20 @@ class Engine:
 
 def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer: OptimizerArg = None, *,
                layout: Optional[ParallelLayout] = None, lr_scheduler=None,
-               deepspeed_config: Optional[Mapping[str, Any]] = None, timeout_s: Optional[float] = None) -> Engine:
+               deepspeed_config: Optional[Mapping[str, Any]] = None, timeout_s: Optional[float] = None,
+               total_steps: Optional[int] = None) -> Engine:
     """Parallelize `model` for the YAML `cfg` (path, dict, YAML text or ParallelConfig) and wrap it in DeepSpeed
     with our mpu. Starts torch.distributed from the launcher's environment if the script has not.
     `model` may be a zero-argument callable that builds it: it is called after the YAML has been checked against
     the launched world size, so a wrong launch stops every rank with the message before any weights exist.
-    `deepspeed_config` entries override the plan's DeepSpeed config (e.g. {"steps_per_print": 10})."""
+    `deepspeed_config` entries override the plan's DeepSpeed config (e.g. {"steps_per_print": 10}).
+    optimizer=None: msp.build_optimizer (the YAML's type with MindSpore's maths and MindFormers' decay groups);
+    lr_scheduler=None: msp.build_lr_scheduler from the YAML's lr_schedule, whose total_steps -1 is `total_steps`."""
     import deepspeed
 
     from .config import ParallelConfig, load_config
     from .distributed.layout import init_parallel
+    from .optim import build_lr_scheduler, build_optimizer, check_optim
     from .strategy import applied_to, parallelize
 
     if not isinstance(cfg, ParallelConfig):
@@ -270,6 +274,7 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer:
     if layout is None:  # a model from msp.from_pretrained / msp.parallelize brings its layout
         done = applied_to(model) if isinstance(model, nn.Module) else None
         layout = done.layout if done is not None else init_parallel(cfg)
+    check_optim(layout.plan.config, optimizer, lr_scheduler, total_steps)  # before any weights exist
     if not isinstance(model, nn.Module):
         model = model()
     plan = layout.plan
@@ -279,7 +284,7 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer:
         if deepspeed_config:
             raise ValueError("deepspeed_config overrides apply to the DeepSpeed engine, which pipeline_stage > 1 does "
                              "not use; drop them (the YAML drives the pipeline engine)")
-        return initialize_pipeline(model, layout, optimizer, lr_scheduler=lr_scheduler)
+        return initialize_pipeline(model, layout, optimizer, lr_scheduler=lr_scheduler, total_steps=total_steps)
     model = parallelize(model, layout)  # a no-op for a model msp.parallelize already did for this layout
     model.to(runtime.training_device(layout))
     runtime.cpu_float32(model, layout, plan)  # a model.half() on CPU trains in float32 (DeepSpeed's CPU path)
@@ -287,8 +292,12 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     if isinstance(optimizer, torch.optim.Optimizer):
         opt = optimizer
+    elif optimizer is None:
+        opt = build_optimizer(model, plan.config)
     else:
-        opt = (optimizer or runtime.torch_optimizer(plan))(params)
+        opt = optimizer(params)
+    if lr_scheduler is None:
+        lr_scheduler = build_lr_scheduler(opt, plan.config, total_steps)
     from .moe.deepspeed import deepspeed_moe
 
     with deepspeed_moe(model, layout, opt):  # expert parameters reduced over the expert-data-parallel group

@@ -8,33 +8,54 @@ from .config.schema import ParallelConfig
 
 __all__ = ["activation_offload_entry", "lr_schedule_entry", "optimizer_entry"]
 
-_ADAMW = {"adamw", "fusedadamweightdecay", "adamweightdecay", "adamweightdecayx", "fp32adamweightdecay",
-          "pmaadamw", "adam"}
-
 
 def optimizer_entry(cfg: ParallelConfig) -> Optional[dict[str, Any]]:
+    """The optimizer as data. `type` is DeepSpeed's name where one computes the same update ("AdamW": FusedAdam,
+    with bias_correction false for the nn.AdamWeightDecay family), else the MindFormers type; `runs_as` says what
+    msp.build_optimizer builds (optim/types.py)."""
+    from .optim.types import family, yaml_betas
+
     opt = cfg.optimizer
     if opt is None:
         return None
     lr = opt.learning_rate
     if lr is None and cfg.lr_schedule is not None:
         lr = cfg.lr_schedule.learning_rate
-    kind = "AdamW" if opt.type.lower() in _ADAMW else opt.type
-    params = {"lr": lr, "betas": list(opt.betas) if opt.betas else None, "eps": opt.eps,
-              "weight_decay": opt.weight_decay}
-    return {"type": kind, "mindformers_type": opt.type, "params": {k: v for k, v in params.items() if v is not None}}
+    try:
+        fam, betas = family(opt.type), yaml_betas(opt)
+    except ValueError as exc:  # an unbuilt type plans fine; msp.initialize names it
+        return {"type": opt.type, "mindformers_type": opt.type, "runs_as": None, "error": str(exc),
+                "params": {k: v for k, v in {"lr": lr, "eps": opt.eps, "weight_decay": opt.weight_decay}.items()
+                           if v is not None}}
+    params: dict[str, Any] = {"lr": lr, "betas": list(betas), "eps": fam.eps if opt.eps is None else opt.eps,
+                              "weight_decay": opt.weight_decay or 0.0}
+    kind, runs_as = opt.type, _RUNS_AS[fam.name]
+    if fam.name in ("adamw", "no_bias"):
+        kind = "AdamW"
+        if fam.name == "no_bias":
+            params["bias_correction"] = False
+    return {"type": kind, "mindformers_type": opt.type, "runs_as": runs_as,
+            "params": {k: v for k, v in params.items() if v is not None}}
+
+
+_RUNS_AS = {"adamw": "torch.optim.AdamW", "no_bias": "AdamWeightDecay (no bias correction)",
+            "adam_x": "AdamWeightDecay(bias_correction=True)", "pma": "PmaAdamW"}
 
 
 def lr_schedule_entry(cfg: ParallelConfig) -> Optional[dict[str, Any]]:
+    """The schedule as data (the engines run msp.build_lr_scheduler; DeepSpeed's schedulers compute other curves)."""
     s = cfg.lr_schedule
     if s is None:
         return None
     warmup = s.warmup_steps
     total = s.total_steps if s.total_steps and s.total_steps > 0 else None
-    if warmup is None and s.warmup_ratio is not None and total is not None:
-        warmup = int(s.warmup_ratio * total)
-    return {"type": s.type, "learning_rate": s.learning_rate, "lr_end": s.lr_end, "warmup_steps": warmup,
-            "warmup_ratio": s.warmup_ratio, "total_steps": total}
+    if s.warmup_ratio is not None:
+        warmup = int(s.warmup_ratio * total) if total is not None else None
+    out = {"type": s.type, "learning_rate": s.learning_rate, "lr_end": s.lr_end, "warmup_steps": warmup,
+           "warmup_ratio": s.warmup_ratio, "total_steps": total}
+    if cfg.grouped_lr_schedule is not None:
+        out["grouped"] = [{"type": g.type, "params": list(g.params)} for g in cfg.grouped_lr_schedule.grouped]
+    return out
 
 
 def activation_offload_entry(cfg: ParallelConfig, notes: list[str]) -> Any:

@@ -1,11 +1,11 @@
 """What every training entry point (msp.initialize, the pipeline engine, accelerate, the HF Trainer, the demo) does
 the same way: start torch.distributed from the launcher's environment, pick the device, turn the YAML's optimizer
-into a torch optimizer, and derive DeepSpeed's config from the plan (CPU-safe)."""
+into a torch optimizer (msparallel_ds.optim), and derive DeepSpeed's config from the plan (CPU-safe)."""
 from __future__ import annotations
 
 import os
 import warnings
-from typing import TYPE_CHECKING, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .distributed.layout import ParallelLayout
 
 __all__ = ["cpu_float32", "deepspeed_config", "disable_inference_shm_build", "ensure_distributed",
-           "quiet_deepspeed", "torch_optimizer", "training_device"]
+           "quiet_deepspeed", "training_device"]
 
 
 def quiet_deepspeed() -> None:
@@ -67,24 +67,11 @@ def cpu_float32(model: torch.nn.Module, layout: ParallelLayout, plan=None) -> to
     return model
 
 
-def torch_optimizer(plan) -> Callable[[list], torch.optim.Optimizer]:
-    spec = plan.optimizer
-    if not spec:
-        raise ValueError("msp.initialize: no optimizer given and the YAML has no `optimizer:` section; pass "
-                         "optimizer=lambda params: torch.optim.AdamW(params, lr=...)")
-    if spec["type"] != "AdamW":
-        raise ValueError(f"optimizer.type={spec.get('mindformers_type', spec['type'])!r}: only AdamW maps to a "
-                         "torch optimizer here; pass optimizer=lambda params: ... to msp.initialize")
-    params = dict(spec["params"])
-    params["betas"] = tuple(params.get("betas", (0.9, 0.999)))
-    return lambda p: torch.optim.AdamW(p, **params)
-
-
 def deepspeed_config(plan, layout: ParallelLayout, *, overrides: Optional[Mapping], own_clip: bool = False) -> dict:
     """The DeepSpeed config for `plan` on `layout`. own_clip: the caller clips with the true global norm itself when
     DeepSpeed's would be wrong (ZeRO-0 with expert parallel), so DeepSpeed's clipping is switched off then."""
     ds = plan.to_deepspeed()
-    ds.pop("optimizer", None)  # always a torch optimizer (DeepSpeed's fused ones need a native build)
+    ds.pop("optimizer", None)  # always msp.build_optimizer's or the caller's torch optimizer (with its groups)
     if layout.device_type != "cuda":
         for key in ("bf16", "fp16"):
             if ds.pop(key, None):

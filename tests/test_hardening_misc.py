@@ -290,13 +290,13 @@ def test_train_deepspeed_takes_the_yamls_optimizer_unless_lr_is_given():
     finally:
         sys.path.remove("examples")
     plan = msp.make_plan(msp.load_config("configs/tiny_dp2_tp2.yaml"))
-    factory, overrides, line = optimizer_choice(plan, None)
-    assert factory is None and "'lr': 0.001" in line and "the YAML's optimizer" in line  # msp.initialize's own
-    factory, overrides, line = optimizer_choice(plan, 1e-4)
+    factory, sched, line = optimizer_choice(plan, None)
+    assert factory is None and sched is None and "the YAML's AdamW as torch.optim.AdamW" in line  # msp.initialize's
+    factory, sched, line = optimizer_choice(plan, 1e-4)
     opt = factory([torch.nn.Parameter(torch.zeros(1))])
     assert opt.param_groups[0]["lr"] == 1e-4 and opt.param_groups[0]["betas"] == (0.9, 0.95) and "--lr" in line
+    assert sched(opt) is None  # --lr: a constant rate, not the YAML's schedule
     raw = {"parallel_config": {"data_parallel": 1}, "optimizer": {"type": "AdamW", "learning_rate": 1e-3},
            "lr_schedule": {"type": "ConstantWarmUpLR", "learning_rate": 1e-3, "warmup_steps": 2}}
     plan = msp.make_plan(msp.load_config(raw), world_size=1)
-    _, overrides, line = optimizer_choice(plan, 5e-4)
-    assert overrides["scheduler"]["params"]["warmup_max_lr"] == 5e-4 and "WarmupLR" in line
+    assert "ConstantWarmUpLR" in optimizer_choice(plan, None)[2]

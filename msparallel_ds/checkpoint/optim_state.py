@@ -12,8 +12,10 @@ __all__ = ["ensure_adam_state", "optimizer_keys"]
 
 def optimizer_keys(opt) -> tuple[str, ...]:
     """The per-parameter state tensors saved with each weight (error for anything but Adam/AdamW)."""
-    if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-        raise ValueError(f"engine.save/load support Adam and AdamW (their moments are resharded); got "
+    from ..optim.adam import AdamWeightDecay  # MindSpore's Adam without bias correction: the same two moments
+
+    if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW, AdamWeightDecay)):
+        raise ValueError(f"engine.save/load support Adam, AdamW and AdamWeightDecay (their moments are resharded); got "
                          f"{type(opt).__name__}")
     amsgrad = any(g.get("amsgrad") for g in opt.param_groups)
     return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())

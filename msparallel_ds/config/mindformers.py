@@ -178,7 +178,7 @@ def _normalize(raw: Mapping, issues: list[ConfigIssue], spelled: dict[str, str])
     out["swap_config"] = _swap_config(raw, issues)
     out["runner_config"] = _section(raw, "runner_config", issues)
     out["runner_wrapper"] = _runner_wrapper(_section(raw, "runner_wrapper", issues), issues)
-    for key in ("optimizer", "lr_schedule"):
+    for key in ("optimizer", "lr_schedule", "grouped_lr_schedule"):
         if raw.get(key) is not None:
             out[key] = _section(raw, key, issues)
     out["model"] = _model_shape(raw, issues, spelled)

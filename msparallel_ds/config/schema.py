@@ -145,12 +145,22 @@ class OptimizerConfig(_Section):
     type: Pattern = "AdamW"
     swap: StrictBool = False  # MindFormers' optimizer state on the host (core/optim/adamw.py) -> DeepSpeed offload
     learning_rate: Optional[Number] = None
-    betas: Optional[tuple[Number, Number]] = None
+    betas: Optional[tuple[Number, Number]] = None  # 2.x spelling (AdamW)
+    beta1: Optional[Number] = None  # 1.x spelling (AdamWeightDecay family)
+    beta2: Optional[Number] = None
     eps: Optional[Number] = None
     weight_decay: Optional[Number] = None
+    use_fused: StrictBool = False  # 2.x AdamW/PmaAdamW: the fused kernel, same maths
+    # PmaAdamW / FusedPmaAdamW (2.x core/optim/pma_adamw.py): weight fusion every interleave_step steps
+    fused_num: Optional[Count] = None
+    interleave_step: Optional[Count] = None
+    fused_algo: Optional[Literal["ema", "sma"]] = None
+    ema_alpha: Optional[Number] = None
 
 
 class LrSchedule(_Section):
+    """`lr_schedule:` with every field MindFormers' schedules read (core/lr/lr_schedule.py)."""
+
     type: Pattern = "ConstantWarmUpLR"
     learning_rate: Optional[Number] = None
     lr_end: Optional[Number] = None
@@ -158,6 +168,32 @@ class LrSchedule(_Section):
     warmup_steps: Optional[NonNegCount] = None
     warmup_lr_init: Optional[Number] = None
     total_steps: Optional[Annotated[StrictInt, Field(ge=-1, le=MAX_COUNT)]] = None
+    num_cycles: Optional[Number] = None
+    power: Optional[Number] = None
+    decay_steps: Optional[NonNegCount] = None
+    decay_ratio: Optional[Number] = None
+    keep_steps: Optional[NonNegCount] = None  # ConstantWithCoolDownLR
+    final_steps: Optional[NonNegCount] = None
+    lr_end1: Optional[Number] = None
+    lr_end2: Optional[Number] = None
+    decay_start_steps: Optional[NonNegCount] = None  # WarmUpStableDecayLR
+    decay_start_ratio: Optional[Number] = None
+    base_lr: Optional[Number] = None  # CosineAnnealingLR / CosineAnnealingWarmRestarts
+    t_max: Optional[Count] = None
+    t_0: Optional[Count] = None
+    t_mult: Optional[Count] = None
+    eta_min: Optional[Number] = None
+
+
+class GroupedLr(LrSchedule):
+    params: list[Pattern] = []  # parameter name patterns (substring or fnmatch) that follow this schedule
+
+
+class GroupedLrSchedule(_Section):
+    """2.x `grouped_lr_schedule:` (trainer/base_trainer.py): `default` for the rest, `grouped` per name pattern."""
+
+    default: LrSchedule
+    grouped: list[GroupedLr] = []
 
 
 Offset = Union[StrictInt, list[StrictInt], list[list[StrictInt]]]
@@ -219,6 +255,7 @@ class ParallelConfig(_Section):
     runner_wrapper: RunnerWrapper = RunnerWrapper()
     optimizer: Optional[OptimizerConfig] = None
     lr_schedule: Optional[LrSchedule] = None
+    grouped_lr_schedule: Optional[GroupedLrSchedule] = None
     model: ModelShape = ModelShape()
     # Set when the YAML used the `parallelism:` schema (MindFormers 2.1) instead of parallel_config.
     parallelism: Optional[ParallelismSource] = None

@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..plan import Plan
 
-# MindFormers lr_schedule type -> DeepSpeed scheduler (those needing total steps are dropped when unknown)
-_SCHEDULERS = {"cosine": "WarmupCosineLR", "linear": "WarmupDecayLR", "constant": "WarmupLR"}
 
 
 def deepspeed_batch(plan: "Plan") -> tuple[int, int]:
@@ -24,8 +22,11 @@ def deepspeed_batch(plan: "Plan") -> tuple[int, int]:
     return micro, gas
 
 
-def to_deepspeed(plan: "Plan", *, with_mpu: bool = True, include_optimizer: bool = True,
-                 include_scheduler: bool = True) -> dict[str, Any]:
+def to_deepspeed(plan: "Plan", *, with_mpu: bool = True, include_optimizer: bool = True) -> dict[str, Any]:
+    """No `scheduler` entry: DeepSpeed's schedulers compute other curves than MindFormers' (warmup shape, the decay
+    end); the engines pass msp.build_lr_scheduler's torch scheduler, and plan.lr_schedule describes it as data. The
+    `optimizer` entry only where DeepSpeed's FusedAdam computes the YAML type's update (bias_correction false for
+    the nn.AdamWeightDecay family); parameter groups (no decay for 1-D / bias) come from msp.build_optimizer."""
     micro, gas = deepspeed_batch(plan)
     ds: dict[str, Any] = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas}
     if not with_mpu and plan.world_size == plan.mesh.dp:
@@ -40,10 +41,6 @@ def to_deepspeed(plan: "Plan", *, with_mpu: bool = True, include_optimizer: bool
     ds["gradient_clipping"] = plan.gradient_clipping or 0.0
     if include_optimizer and plan.optimizer and plan.optimizer["type"] == "AdamW":
         ds["optimizer"] = {"type": "AdamW", "params": dict(plan.optimizer["params"])}
-    if include_scheduler:
-        sched = _scheduler(plan)
-        if sched:
-            ds["scheduler"] = sched
     ds["steps_per_print"] = 1 << 30
     ds["wall_clock_breakdown"] = False
     return ds
@@ -82,25 +79,3 @@ def _precision(plan: "Plan") -> dict[str, Any]:
     else:
         fp16["loss_scale"] = ls.initial
     return {"fp16": fp16}
-
-
-def _scheduler(plan: "Plan") -> dict[str, Any] | None:
-    s = plan.lr_schedule
-    if not s:
-        return None
-    kind = next((v for k, v in _SCHEDULERS.items() if k in s["type"].lower()), None)
-    lr = s.get("learning_rate") or (plan.optimizer or {}).get("params", {}).get("lr")
-    warmup = s.get("warmup_steps") or 0
-    total = s.get("total_steps")
-    if kind is None or lr is None:
-        return None
-    if kind == "WarmupLR":
-        return {"type": kind, "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": warmup}}
-    if total is None:
-        return None  # decay schedules need the total step count; the trainer supplies it at run time
-    if kind == "WarmupDecayLR":
-        return {"type": kind, "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": warmup,
-                                         "total_num_steps": total}}
-    min_ratio = (s.get("lr_end") or 0.0) / lr if lr else 0.0
-    return {"type": kind, "params": {"total_num_steps": total, "warmup_num_steps": warmup,
-                                     "warmup_min_ratio": 0.0, "cos_min_ratio": min_ratio}}

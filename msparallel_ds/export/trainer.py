@@ -67,7 +67,7 @@ def lr_scheduler_kwargs(plan: Plan) -> dict[str, Any]:
 
 
 def _deepspeed(plan: Plan, gpu: bool) -> dict[str, Any]:
-    ds = to_deepspeed(plan, include_optimizer=False, include_scheduler=False)  # the Trainer's torch optimizer
+    ds = to_deepspeed(plan, include_optimizer=False)  # the Trainer's torch optimizer and scheduler
     ds.update(train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto", gradient_clipping="auto")
     for key in ("bf16", "fp16"):
         if key in ds:
@@ -92,7 +92,7 @@ def training_arguments_kwargs(plan: Plan, output_dir: str, *, gpu: bool = False,
     opt = plan.optimizer
     if opt:
         p = opt["params"]
-        if opt["type"] == "AdamW":
+        if opt.get("runs_as") == "torch.optim.AdamW":  # other types: MindFormersTrainer builds msp.build_optimizer
             kw["optim"] = "adamw_torch"
         if p.get("lr") is not None:
             kw["learning_rate"] = p["lr"]

@@ -30,8 +30,8 @@ What it does, and why:
 - `prepare(model, optimizer, ...)`: the model is parallelized in place (msp.parallelize: TP/SP/vocab parallel, CP
   attention, recompute, all from the YAML). An optimizer built on the unsharded model is re-pointed IN PLACE to the
   sharded parameters, by parameter name: same object, class, param groups and hyperparameters, so a scheduler built
-  on it stays valid. It must not have state yet (build it before training); `accelerator.yaml_optimizer(params)`
-  builds the YAML's `optimizer:` section as torch.optim.AdamW.
+  on it stays valid. It must not have state yet; `yaml_optimizer(model)` / `yaml_lr_scheduler(opt, total_steps)`
+  build the YAML's (msp.build_optimizer / msp.build_lr_scheduler, the latter stepped once per optimizer step).
 - Data: dataloaders are split over the data-parallel ranks only (num_processes = dp, process_index = dp rank):
   the tp and cp peers of a dp rank see the same samples. An LR scheduler left to accelerate steps dp times per
   optimizer step (accelerate's rule, with dp replicas instead of processes). With cp > 1 every forward shards
@@ -53,7 +53,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -283,11 +283,17 @@ class MindFormersAccelerator(Accelerator):
         return self.layout.rank("cp")
 
     # ------------------------------------------------------------------------------------------ helpers
-    def yaml_optimizer(self, params) -> torch.optim.Optimizer:
-        """The YAML's `optimizer:` section as a torch optimizer (AdamW) over `params`."""
-        from ..runtime import torch_optimizer
+    def yaml_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """msp.build_optimizer(model, YAML) on the unsharded model (prepare() re-points it to the shards)."""
+        from ..optim import build_optimizer
 
-        return torch_optimizer(self.plan)(list(params))
+        return build_optimizer(model, self.msp_config)
+
+    def yaml_lr_scheduler(self, optimizer, total_steps: Optional[int] = None):
+        """msp.build_lr_scheduler (None without an lr_schedule); prepare() steps it once per optimizer step."""
+        from ..optim import build_lr_scheduler
+
+        return build_lr_scheduler(optimizer, self.msp_config, total_steps)
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss` (this rank's micro-batch mean, as model(**batch).loss returns it) averaged over the dp replicas:
@@ -405,8 +411,10 @@ class MindFormersAccelerator(Accelerator):
         moe = deepspeed_moe(models[0], self.layout, optimizer) if models and optimizer is not None else nullcontext()
         with moe, _deepspeed_initialize_with(self.layout.mpu()):  # experts reduced over their expert-dp group
             result = super()._prepare_deepspeed(*args)
+        from ..optim.scheduler import MindFormersLR
+
         for obj in result:
             if type(obj) is AcceleratedScheduler:
                 obj.__class__ = _DataParallelScheduler
-                obj.data_parallel_size = self.layout.size("dp")
+                obj.data_parallel_size = 1 if isinstance(obj.scheduler, MindFormersLR) else self.layout.size("dp")
         return result

@@ -31,9 +31,10 @@ same data, order and hyperparameters:
   checkpoint (msp_universal.pt, as engine.save writes it; not at ZeRO-3). train(resume_from_checkpoint=...)
   loads the latter when present, so a run resumes under the same or ANOTHER YAML layout (same global batch) with
   the losses of the uninterrupted run; the Trainer restores its own state, scheduler and RNG as usual.
-The DeepSpeed config's batch, accumulation and clipping entries are "auto": the TrainingArguments fill them. With
-TrainingArguments of your own, they decide the optimizer, schedule and clipping (only the per-device batch and
-the accumulation come from the YAML); training_arguments_from_yaml takes those from the YAML too.
+The DeepSpeed config's batch, accumulation and clipping entries are "auto": the TrainingArguments fill them. When
+the YAML has `optimizer:` / `lr_schedule:` sections, create_optimizer / create_scheduler build them
+(msp.build_optimizer / msp.build_lr_scheduler, MindSpore's maths); without them the TrainingArguments decide the
+optimizer and schedule. Clipping comes from the TrainingArguments (training_arguments_from_yaml takes the YAML's).
 Evaluation before any training step needs ZeRO-3 under DeepSpeed (a transformers rule); during and after
 training it works, with one copy per dp replica gathered.
 """
@@ -162,6 +163,27 @@ class MindFormersTrainer(Trainer):
 
     def get_sp_size(self) -> int:
         return 1
+
+    # ------------------------------------------------------------------------------------------ optimizer, schedule
+    def create_optimizer(self):
+        """The YAML's `optimizer:` (msp.build_optimizer: its type's maths, MindFormers' decay groups) when the YAML
+        has one and no optimizer was passed in; otherwise the Trainer's own (TrainingArguments decide)."""
+        if self.optimizer is None and self.msp_config.optimizer is not None:
+            from ..optim import build_optimizer
+
+            self.optimizer = build_optimizer(self.model, self.msp_config)
+        return super().create_optimizer()
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The YAML's lr_schedule (msp.build_lr_scheduler; total_steps -1 is the Trainer's num_training_steps) when
+        the YAML has one; otherwise the Trainer's lr_scheduler_type."""
+        cfg = self.msp_config
+        if self.lr_scheduler is None and (cfg.lr_schedule is not None or cfg.grouped_lr_schedule is not None):
+            from ..optim import build_lr_scheduler
+
+            self.lr_scheduler = build_lr_scheduler(optimizer or self.optimizer, cfg, total_steps=num_training_steps)
+            self._created_lr_scheduler = True
+        return super().create_scheduler(num_training_steps, optimizer)
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def _checkpoint_view(self):

@@ -54,20 +54,26 @@ def _drop_other_modules(model: nn.Module, view: nn.Module) -> None:
                 module._parameters[name] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
 
 
-def _optimizer_parts(optimizer, plan):
-    """(optimizer class, its defaults) from a callable params -> Optimizer, an Optimizer, or None (the YAML's)."""
-    from ..runtime import torch_optimizer
+def _optimizer_parts(optimizer, plan, view: nn.Module):
+    """(optimizer class, its defaults, params or groups) from a callable params -> Optimizer, an Optimizer, or None
+    (the YAML's: msp.build_optimizer's class and MindFormers' groups over this stage's parameters)."""
+    if optimizer is None:
+        from ..optim.build import grouped_patterns, optimizer_spec
+        from ..optim.groups import param_groups
 
+        cls, kwargs = optimizer_spec(plan.config)
+        return cls, kwargs, param_groups(view, kwargs["weight_decay"], grouped_patterns(plan.config))
     if isinstance(optimizer, torch.optim.Optimizer):
         probe = optimizer
     else:
-        probe = (optimizer or torch_optimizer(plan))([nn.Parameter(torch.zeros(1))])
+        probe = optimizer([nn.Parameter(torch.zeros(1))])
     accepted = inspect.signature(type(probe).__init__).parameters
-    return type(probe), {k: v for k, v in probe.defaults.items() if k in accepted}
+    params = [p for p in view.parameters() if p.requires_grad]
+    return type(probe), {k: v for k, v in probe.defaults.items() if k in accepted}, params
 
 
-def _build_optimizer(params: list, optimizer, plan, layout: ParallelLayout) -> torch.optim.Optimizer:
-    cls, defaults = _optimizer_parts(optimizer, plan)
+def _build_optimizer(view: nn.Module, optimizer, plan, layout: ParallelLayout) -> torch.optim.Optimizer:
+    cls, defaults, params = _optimizer_parts(optimizer, plan, view)
     zero = plan.zero.stage if plan.config.parallel.enable_parallel_optimizer else 0
     if zero > 1:
         warnings.warn(f"parallel.parallel_optimizer_config.optimizer_level=level{zero} with pipeline_stage > 1 runs "
@@ -89,15 +95,6 @@ def _build_optimizer(params: list, optimizer, plan, layout: ParallelLayout) -> t
                 "stages, or pipeline_stage: 1 (DeepSpeed ZeRO-1/2 shards expert states over their own group)")
         return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=layout.group("dp_cp"), **defaults)
     return cls(params, **defaults)
-
-
-def _yaml_scheduler(plan, optimizer):
-    spec = plan.to_deepspeed().get("scheduler")
-    if not spec:
-        return None
-    from deepspeed.runtime import lr_schedules
-
-    return getattr(lr_schedules, spec["type"])(optimizer, **spec.get("params", {}))
 
 
 _INIT_FLAGS = ("_stages_forward_initialized", "_stages_backward_initialized", "_stage_forward_initialized",
@@ -281,7 +278,7 @@ class PipelineEngine:
 
 
 def initialize_pipeline(model: nn.Module, layout: ParallelLayout, optimizer=None, *,
-                        lr_scheduler=None) -> PipelineEngine:
+                        lr_scheduler=None, total_steps: Optional[int] = None) -> PipelineEngine:
     """msp.initialize for pipeline_stage > 1 (called by engine.initialize; same arguments)."""
     from ..config.rules import layers_per_stage
     from ..models import adapter_for
@@ -321,10 +318,11 @@ def initialize_pipeline(model: nn.Module, layout: ParallelLayout, optimizer=None
 
     schedule, stages = build_schedule(plan.pp_schedule, modules, stage_ids, pp * vpp, layout, device,
                                       plan.micro_batch_num, loss_fn)
-    params = [p for p in view.parameters() if p.requires_grad]
-    opt = _build_optimizer(params, optimizer, plan, layout)
+    opt = _build_optimizer(view, optimizer, plan, layout)
     if lr_scheduler is None:
-        sched = _yaml_scheduler(plan, opt)
+        from ..optim import build_lr_scheduler
+
+        sched = build_lr_scheduler(opt, plan.config, total_steps)
     else:  # an LR scheduler, or (as DeepSpeed accepts) a callable optimizer -> scheduler
         sched = lr_scheduler if hasattr(lr_scheduler, "step") else lr_scheduler(opt)
     engine = PipelineEngine(model, view, stages, schedule, stage_ids, layout, plan, opt, sched, device,

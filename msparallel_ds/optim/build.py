@@ -1,0 +1,77 @@
+"""msp.build_optimizer: the YAML's `optimizer:` as MindSpore/MindFormers compute it, on MindFormers' parameter groups
+(types.py says what each type runs as).
+
+The torch classes run on every device (foreach kernels on CUDA); DeepSpeed's FusedAdam(bias_correction=False)
+computes the same update as AdamWeightDecay and is what `msparallel-ds export --to deepspeed` names.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from .adam import AdamWeightDecay, PmaAdamW
+from .groups import param_groups
+from .types import family, yaml_betas
+
+__all__ = ["build_optimizer", "optimizer_spec"]
+
+_CLASSES: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict]] = {
+    "adamw": (torch.optim.AdamW, {}), "no_bias": (AdamWeightDecay, {"bias_correction": False}),
+    "adam_x": (AdamWeightDecay, {"bias_correction": True}), "pma": (PmaAdamW, {})}
+
+
+def _learning_rate(cfg) -> float:
+    section = cfg.grouped_lr_schedule.default if cfg.grouped_lr_schedule is not None else cfg.lr_schedule
+    lr = section.learning_rate if section is not None else None
+    if section is not None and lr is None:
+        lr = section.base_lr
+    if lr is None:
+        lr = cfg.optimizer.learning_rate
+    if lr is None:
+        raise ValueError("optimizer.learning_rate is unset and the YAML has no lr_schedule.learning_rate; set one "
+                         "(MindFormers' rule: 'No learning rate specified')")
+    return float(lr)
+
+
+def optimizer_spec(cfg) -> tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]:
+    """(optimizer class, its keyword arguments) for the YAML's optimizer; groups come from optim.groups."""
+    opt = cfg.optimizer
+    if opt is None:
+        raise ValueError("the YAML has no `optimizer:` section; add one (e.g. type: AdamW) or pass "
+                         "msp.initialize(..., optimizer=lambda params: torch.optim.AdamW(params, lr=...))")
+    fam = family(opt.type)
+    cls, extra = _CLASSES[fam.name]
+    kwargs: dict[str, Any] = dict(lr=_learning_rate(cfg), betas=yaml_betas(opt),
+                                  eps=float(fam.eps if opt.eps is None else opt.eps),
+                                  weight_decay=float(opt.weight_decay or 0.0), **extra)
+    if fam.name == "pma":
+        kwargs.update({k: getattr(opt, k) for k in ("fused_num", "interleave_step", "fused_algo", "ema_alpha")
+                       if getattr(opt, k) is not None})
+    return cls, kwargs
+
+
+def grouped_patterns(cfg) -> Optional[list[list[str]]]:
+    g = cfg.grouped_lr_schedule
+    if g is None:
+        return None
+    for i, item in enumerate(g.grouped):
+        if not item.params:
+            raise ValueError(f"grouped_lr_schedule.grouped[{i}].params is empty; each item needs a non-empty list "
+                             "of parameter name patterns (MindFormers' rule)")
+    return [list(item.params) for item in g.grouped]
+
+
+def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
+    """The YAML's optimizer (`cfg`: path, dict, YAML text or ParallelConfig) over `model`'s trainable parameters in
+    MindFormers' groups (no decay for 1-D / `.bias` / the model's no_weight_decay names; grouped_lr_schedule
+    groups). Its lr is the schedule's peak; msp.build_lr_scheduler drives it per step."""
+    from ..config import ParallelConfig, load_config
+
+    cfg = cfg if isinstance(cfg, ParallelConfig) else load_config(cfg)
+    cls, kwargs = optimizer_spec(cfg)
+    groups = param_groups(model, kwargs["weight_decay"], grouped_patterns(cfg))
+    optimizer = cls(groups, **kwargs)
+    optimizer.mindformers_type = cfg.optimizer.type
+    return optimizer
