@@ -2,6 +2,7 @@
 
   MindDataset                        MindRecord shards (+ .db index)                 data/mindrecord.py
   BlendedMegatronDatasetDataLoader   Megatron .bin/.idx through GPTDataset           data/megatron.py
+  HFDataLoader                       HF datasets (local) + MindFormers' handlers     data/hf.py
 Each rank reads only its dp share (MindSpore's distributed-sampler rule, data/order.py); tp/cp/pp peers of a dp rank
 see the same rows. Orders are MindSpore's own, checked against files MindSpore wrote (tests/fixtures/).
 """

@@ -98,9 +98,12 @@ def open_train_dataset(cfg, dp_rank: int = 0, dp_size: int = 1) -> TrainRows:
     elif kind == "BlendedMegatronDatasetDataLoader":
         from .megatron import gpt_rows
         rows = gpt_rows(section, dp_rank, dp_size)
+    elif kind == "HFDataLoader":
+        from .hf import hf_rows
+        rows = hf_rows(section, data, dp_rank, dp_size)
     else:
         raise _err("train_dataset.data_loader.type", kind, "is not a data loader this reader knows",
-                   "use MindDataset or BlendedMegatronDatasetDataLoader")
+                   "use MindDataset, BlendedMegatronDatasetDataLoader or HFDataLoader")
     per_step = _rows_per_step(data)
     if per_step is not None and len(rows) < per_step:
         raise _err("train_dataset", f"{rows.n_rows} rows", f"give dp rank {dp_rank} of {dp_size} {len(rows)} rows, "
