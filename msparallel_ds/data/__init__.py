@@ -8,6 +8,7 @@ see the same rows. Orders are MindSpore's own, checked against files MindSpore w
 """
 from __future__ import annotations
 
-from .source import TrainRows, open_train_dataset, train_dataset_section
+from .rows import TrainRows
+from .source import open_train_dataset, train_dataset_section
 
 __all__ = ["open_train_dataset", "TrainRows", "train_dataset_section"]

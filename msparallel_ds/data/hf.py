@@ -93,7 +93,7 @@ def _load(loader: Mapping):
 
 
 def hf_rows(section: Mapping, data: Mapping, dp_rank: int, dp_size: int):
-    from .source import TrainRows
+    from .rows import TrainRows
     loader = section["data_loader"]
     if loader.get("shuffle", False):
         raise _err(f"{_KEY}.shuffle", True, "is not reproduced here (MindSpore's GeneratorDataset sampler)",

@@ -94,7 +94,7 @@ def build_gpt_dataset(section: Mapping):
 
 
 def gpt_rows(section: Mapping, dp_rank: int, dp_size: int):
-    from .source import TrainRows
+    from .rows import TrainRows
     dataset, cfg = build_gpt_dataset(section)
     produced = list(_MF_COLUMNS) + (["attention_mask"] if cfg.create_attention_mask else [])
     names = list(section.get("input_columns") or ["input_ids", "labels", "loss_mask", "position_ids"]

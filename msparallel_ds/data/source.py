@@ -4,13 +4,14 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 import numpy as np
 import yaml
 
 from ..config.errors import ConfigError, ConfigIssue
-from .order import dp_positions, minddataset_order
+from .order import minddataset_order
+from .rows import TrainRows
 
 _MINDRECORD = re.compile(r"mindrecord\d*$")
 
@@ -47,31 +48,6 @@ def train_dataset_section(cfg) -> Mapping:
                    "is missing", "add train_dataset.data_loader with a type (MindDataset, "
                    "BlendedMegatronDatasetDataLoader) and its paths")
     return section
-
-
-class TrainRows:
-    """This dp rank's rows: `for row in rows` (epoch 0), `rows.epoch(e, start=i)` to resume, `len(rows)` rows per
-    epoch. Each row is a dict of numpy arrays named by the YAML's input_columns."""
-
-    def __init__(self, n_rows: int, get: Callable[[int], Dict[str, np.ndarray]],
-                 order: Callable[[int], np.ndarray], dp_rank: int, dp_size: int, columns: Sequence[str], kind: str):
-        self.n_rows, self._get, self._order = n_rows, get, order
-        self.dp_rank, self.dp_size, self.columns, self.kind = dp_rank, dp_size, list(columns), kind
-        self._positions = dp_positions(n_rows, dp_rank, dp_size)
-
-    def __len__(self) -> int:
-        return len(self._positions)
-
-    def positions(self, epoch: int = 0) -> np.ndarray:
-        """Global row numbers this rank reads in `epoch`, in order."""
-        return self._order(epoch)[self._positions]
-
-    def epoch(self, epoch: int = 0, start: int = 0) -> Iterator[Dict[str, np.ndarray]]:
-        for pos in self.positions(epoch)[start:]:
-            yield self._get(int(pos))
-
-    def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
-        return self.epoch(0)
 
 
 def _rows_per_step(data: Mapping) -> Optional[int]:
