@@ -77,3 +77,19 @@ def test_bad_input_names_the_key(tmp_path):
     shutil.copy(FIX / "pretrain" / "data.mindrecord0", tmp_path / "x.mindrecord0")
     with pytest.raises(ConfigError, match=r"no index .*\.db"):
         open_train_dataset({"train_dataset": {"data_loader": {"type": "MindDataset", "dataset_dir": str(tmp_path)}}})
+
+
+def test_full_batch_ranks_slice_each_global_batch_of_the_unsplit_stream():
+    """parallel_mode 1 + full_batch (MindFormers' default for semi-auto): every rank reads MindSpore's unsplit order
+    (num_shards None, shuffle chained over epochs) and takes its contiguous rows of each global batch."""
+    cfg = _cfg("pretrain", shuffle=True)
+    cfg.update(parallel={"parallel_mode": 1, "full_batch": True}, runner_config={"batch_size": 3})
+    for e in range(2):
+        stream = EXP[f"pretrain/shuffle_seed0_epoch{e}/order"].tolist()
+        for d in range(2):
+            got = [int(r["input_ids"][0]) for r in open_train_dataset(cfg, dp_rank=d, dp_size=2).epoch(e)]
+            want = [stream[t * 6 + d * 3 + j] for t in range(40 // 6) for j in range(3)]
+            assert got == want, (e, d)
+    cfg["parallel"]["full_batch"] = False  # data-parallel style: MindSpore's distributed sampler
+    rows = open_train_dataset(cfg, dp_rank=1, dp_size=2)
+    assert [int(r["input_ids"][0]) for r in rows.epoch(1)] == EXP["pretrain/shuffle_seed0_shard1of2_epoch1/order"].tolist()

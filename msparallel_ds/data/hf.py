@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Mapping
 import numpy as np
 
 from ..config.errors import ConfigError, ConfigIssue
+from .rows import Table
 
 _KEY = "train_dataset.data_loader"
 _OWN = {"type", "handler", "shuffle", "create_attention_mask", "create_compressed_eod_mask",
@@ -92,8 +93,7 @@ def _load(loader: Mapping):
     return ds
 
 
-def hf_rows(section: Mapping, data: Mapping, dp_rank: int, dp_size: int):
-    from .rows import TrainRows
+def hf_table(section: Mapping, data: Mapping):
     loader = section["data_loader"]
     if loader.get("shuffle", False):
         raise _err(f"{_KEY}.shuffle", True, "is not reproduced here (MindSpore's GeneratorDataset sampler)",
@@ -136,4 +136,4 @@ def hf_rows(section: Mapping, data: Mapping, dp_rank: int, dp_size: int):
     def get(i: int) -> Dict[str, np.ndarray]:
         row = ds[i]
         return {c: np.asarray(row[c]) for c in columns}
-    return TrainRows(n, get, lambda epoch: ident, dp_rank, dp_size, columns, "HFDataLoader")
+    return Table(n, get, lambda epoch, sharded: ident, columns, "HFDataLoader")

@@ -14,6 +14,7 @@ from typing import Mapping
 import numpy as np
 
 from ..config.errors import ConfigError, ConfigIssue
+from .rows import Table
 
 _KEY = "train_dataset.data_loader"
 _MF_COLUMNS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -93,8 +94,7 @@ def build_gpt_dataset(section: Mapping):
     return Blended(mids, weights, sum(s[0] for s in per_dataset), cfg), cfg
 
 
-def gpt_rows(section: Mapping, dp_rank: int, dp_size: int):
-    from .rows import TrainRows
+def gpt_table(section: Mapping):
     dataset, cfg = build_gpt_dataset(section)
     produced = list(_MF_COLUMNS) + (["attention_mask"] if cfg.create_attention_mask else [])
     names = list(section.get("input_columns") or ["input_ids", "labels", "loss_mask", "position_ids"]
@@ -110,4 +110,4 @@ def gpt_rows(section: Mapping, dp_rank: int, dp_size: int):
         return {n: np.asarray(s[k]).astype(np.int32) for n, k in zip(names, produced)}
     n = len(dataset)
     ident = np.arange(n, dtype=np.int64)
-    return TrainRows(n, get, lambda epoch: ident, dp_rank, dp_size, names, "GPTDataset")
+    return Table(n, get, lambda epoch, sharded: ident, names, "GPTDataset")

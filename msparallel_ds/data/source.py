@@ -11,7 +11,7 @@ import yaml
 
 from ..config.errors import ConfigError, ConfigIssue
 from .order import minddataset_order
-from .rows import TrainRows
+from .rows import Table, TrainRows, rank_positions
 
 _MINDRECORD = re.compile(r"mindrecord\d*$")
 
@@ -70,17 +70,22 @@ def open_train_dataset(cfg, dp_rank: int = 0, dp_size: int = 1) -> TrainRows:
     loader = section["data_loader"]
     kind = loader.get("type")
     if kind == "MindDataset":
-        rows = _mind_dataset(section, dp_rank, dp_size)
+        table = _mind_dataset(section)
     elif kind == "BlendedMegatronDatasetDataLoader":
-        from .megatron import gpt_rows
-        rows = gpt_rows(section, dp_rank, dp_size)
+        from .megatron import gpt_table
+        table = gpt_table(section)
     elif kind == "HFDataLoader":
-        from .hf import hf_rows
-        rows = hf_rows(section, data, dp_rank, dp_size)
+        from .hf import hf_table
+        table = hf_table(section, data)
     else:
         raise _err("train_dataset.data_loader.type", kind, "is not a data loader this reader knows",
                    "use MindDataset, BlendedMegatronDatasetDataLoader or HFDataLoader")
     per_step = _rows_per_step(data)
+    full = _full_batch(data, dp_size)
+    sharded = not full
+    positions = rank_positions(table.n_rows, dp_rank, dp_size, full, per_step or 1)
+    rows = TrainRows(table.n_rows, table.get, lambda epoch: table.order(epoch, sharded), positions, table.columns,
+                     table.kind)
     if per_step is not None and len(rows) < per_step:
         raise _err("train_dataset", f"{rows.n_rows} rows", f"give dp rank {dp_rank} of {dp_size} {len(rows)} rows, "
                    f"fewer than one step needs ({per_step} = runner_config.batch_size x accumulation/micro batches)",
@@ -118,7 +123,19 @@ def _mindrecord_files(loader: Mapping) -> List[str]:
                "set dataset_dir to the MindRecord folder")
 
 
-def _mind_dataset(section: Mapping, dp_rank: int, dp_size: int) -> TrainRows:
+def _full_batch(data: Mapping, dp_size: int) -> bool:
+    """MindFormers reads the whole stream on every rank (no sampler split) in semi-auto / auto parallel with
+    parallel.full_batch; a YAML without a parallel section reads as one MindDataset would: unsplit for one rank,
+    MindSpore's distributed sampler for several."""
+    par = data.get("parallel")
+    if not isinstance(par, Mapping):
+        return dp_size == 1
+    mode = par.get("parallel_mode", 1)
+    semi = mode in (1, 2, "semi_auto_parallel", "auto_parallel") and data.get("use_parallel", True) is not False
+    return bool(semi and par.get("full_batch", False))
+
+
+def _mind_dataset(section: Mapping) -> Table:
     from .mindrecord import MindRecordError, MindRecordFiles
     loader = section["data_loader"]
     files = _mindrecord_files(loader)
@@ -135,11 +152,11 @@ def _mind_dataset(section: Mapping, dp_rank: int, dp_size: int) -> TrainRows:
     n = len(table)
     if n == 0:
         raise _err("train_dataset.data_loader", files[0], "holds no rows")
-    orders: Dict[int, np.ndarray] = {}
+    orders: Dict[tuple, np.ndarray] = {}
 
-    def order(epoch: int) -> np.ndarray:
-        if epoch not in orders:
+    def order(epoch: int, sharded: bool) -> np.ndarray:
+        if (epoch, sharded) not in orders:
             orders.clear()
-            orders[epoch] = minddataset_order(n, epoch, seed, bool(shuffle), sharded=dp_size > 1)
-        return orders[epoch]
-    return TrainRows(n, table.__getitem__, order, dp_rank, dp_size, columns, "MindDataset")
+            orders[(epoch, sharded)] = minddataset_order(n, epoch, seed, bool(shuffle), sharded=sharded)
+        return orders[(epoch, sharded)]
+    return Table(n, table.__getitem__, order, columns, "MindDataset")

@@ -41,6 +41,13 @@ def _precheck(spec) -> None:
     from ..data import open_train_dataset
     from .model import check_sources
     check_sources(spec.raw)
+    if spec.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            from ..config.errors import ConfigError
+            raise ConfigError(f"--tensorboard {spec.tensorboard} needs the tensorboard package; fix: pip install "
+                              "tensorboard, or drop --tensorboard (output_dir/metrics.jsonl has every step)") from None
     cfg = load_config(spec.raw)
     open_train_dataset(spec.raw, 0, cfg.dp)
 
