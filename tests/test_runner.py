@@ -51,6 +51,7 @@ def test_train_4_processes_equals_1_process_and_resumes(tmp_path):
     resumed = run(_args(tmp_path / "b", "resume_training=true", nproc=4))
     assert sorted(resumed["losses"]) == list(range(5, steps + 1))  # from the newest complete checkpoint, step 4
     assert max(abs(resumed["losses"][s] - straight["losses"][s]) for s in resumed["losses"]) < 1e-6
+    assert [m["step"] for m in _metrics(tmp_path / "b")] == list(range(1, steps + 1))  # step 5 logged once
 
 
 def test_bad_run_yaml_errors_name_the_key(tmp_path):

@@ -32,8 +32,14 @@ def _spec(args):
 
 
 def _worker(rank: int, world: int, args, send):
+    import warnings
+
+    from ..config.errors import ConfigWarning
     from .trainer import Trainer
-    return Trainer(_spec(args)).train()
+    with warnings.catch_warnings():  # the parent showed the YAML's warnings once
+        warnings.simplefilter("ignore", ConfigWarning)
+        spec = _spec(args)
+    return Trainer(spec).train()
 
 
 def _precheck(spec) -> None:

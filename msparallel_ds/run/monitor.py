@@ -34,6 +34,18 @@ class LossMonitor:
                 from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
                 self._tb = SummaryWriter(tensorboard)
 
+    def resumed_at(self, step: int) -> None:
+        """After a resume: drop the records of steps past the checkpoint, which the run is about to redo."""
+        if self._file is None:
+            return
+        self._file.close()
+        path = self._file.name
+        with open(path, encoding="utf-8") as f:
+            keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(keep)
+        self._file = open(path, "a", encoding="utf-8")
+
     def log(self, step: int, loss: float, lr: Optional[float], grad_norm: Optional[float], tokens: int,
             seconds: float, aux_loss: Optional[float] = None, mtp_loss: Optional[float] = None) -> dict:
         tps = tokens / seconds if seconds > 0 else 0.0

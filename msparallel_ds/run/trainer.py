@@ -59,6 +59,7 @@ class Trainer:
         self.step = 0
         if spec.resume:                                               # resume_training
             self.step = self.checkpoints.load(self.engine, spec.resume)["step"]
+            self.monitor.resumed_at(self.step)
         self.echo = echo if self.rank == 0 else (lambda *_: None)
 
     def train(self) -> dict:
