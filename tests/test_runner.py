@@ -43,8 +43,16 @@ def test_train_4_processes_equals_1_process_and_resumes(tmp_path):
     assert [m["step"] for m in _metrics(tmp_path / "a")] == list(range(1, steps + 1))
 
     one = run(_args(tmp_path / "one", "parallel_config.data_parallel=1", "parallel_config.model_parallel=1",
-                    "runner_config.batch_size=8"))
+                    "runner_config.batch_size=8"))  # the same global batches (full_batch: the same rows per step)
     assert max(abs(one["losses"][s] - straight["losses"][s]) for s in range(1, steps + 1)) < 2e-4
+
+    # weights from the run's HF folder and from its engine.save checkpoint (weights only): the same model
+    one_proc = ("parallel_config.data_parallel=1", "parallel_config.model_parallel=1", "runner_config.batch_size=8")
+    from_hf = run(_args(tmp_path / "c", f"load_checkpoint={tmp_path / 'a' / 'hf'}", *one_proc, stop_after=1))
+    from_ck = run(_args(tmp_path / "d", f"load_checkpoint={tmp_path / 'a' / 'checkpoint' / f'step_{steps}'}",
+                        *one_proc, stop_after=1))
+    assert abs(from_hf["losses"][1] - from_ck["losses"][1]) < 1e-5
+    assert from_hf["losses"][1] < straight["losses"][1] - 1.0  # trained weights, not a fresh init
 
     first = run(_args(tmp_path / "b", nproc=4, stop_after=5))
     assert first["step"] == 5 and sorted(os.listdir(tmp_path / "b" / "checkpoint")) == ["step_2", "step_4"]
