@@ -93,3 +93,19 @@ def test_full_batch_ranks_slice_each_global_batch_of_the_unsplit_stream():
     cfg["parallel"]["full_batch"] = False  # data-parallel style: MindSpore's distributed sampler
     rows = open_train_dataset(cfg, dp_rank=1, dp_size=2)
     assert [int(r["input_ids"][0]) for r in rows.epoch(1)] == EXP["pretrain/shuffle_seed0_shard1of2_epoch1/order"].tolist()
+
+
+def test_shuffle_order_past_the_paired_draws_equals_mindspore():
+    """50001 rows: std::shuffle's one-position-per-draw branch (tests/fixtures/mindrecord/make_large_order.py)."""
+    import hashlib
+    import json
+
+    from msparallel_ds.data.order import dp_positions, minddataset_order
+
+    ref = json.loads((FIX / "large_order.json").read_text())
+    n, seed = ref["rows"], ref["seed"]
+    got = {f"epoch{e}": minddataset_order(n, e, seed, True, sharded=False) for e in range(2)}
+    got["shard1of2_epoch0"] = minddataset_order(n, 0, seed, True, sharded=True)[dp_positions(n, 1, 2)]
+    for k, v in got.items():
+        assert v[:16].tolist() == ref[k]["head"] and len(v) == ref[k]["len"], k
+        assert hashlib.sha256(v.astype(np.int64).tobytes()).hexdigest() == ref[k]["sha256"], k
