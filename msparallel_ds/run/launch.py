@@ -51,9 +51,10 @@ def _precheck(spec) -> None:
         try:
             import tensorboard  # noqa: F401
         except ImportError:
-            from ..config.errors import ConfigError
-            raise ConfigError(f"--tensorboard {spec.tensorboard} needs the tensorboard package; fix: pip install "
-                              "tensorboard, or drop --tensorboard (output_dir/metrics.jsonl has every step)") from None
+            from ..config.errors import ConfigError, ConfigIssue
+            raise ConfigError(ConfigIssue("--tensorboard", spec.tensorboard, "needs the tensorboard package",
+                                          "pip install tensorboard, or drop --tensorboard (output_dir/metrics.jsonl "
+                                          "has every step)")) from None
     cfg = load_config(spec.raw)
     open_train_dataset(spec.raw, 0, cfg.dp)
 
