@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("files", nargs="+")
     v.add_argument("--world-size", type=int, default=None)
     _suggest_parser(sub)
+    from .run.launch import add_arguments
+    add_arguments(sub.add_parser("train", help="run a MindFormers YAML's training (model, data, loop, checkpoints, "
+                                               "resume) on PyTorch, under any launcher or on N local processes"))
     return ap
 
 
@@ -273,6 +276,13 @@ def _cmd_suggest(args) -> int:
     return 0 if res.candidates else 1
 
 
+def _cmd_train(args) -> int:
+    from .run.launch import run
+
+    run(args)
+    return 0
+
+
 def _cmd_validate(args) -> int:
     worst = 0
     for f in args.files:
@@ -300,7 +310,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"plan": _cmd_plan, "export": _cmd_export, "validate": _cmd_validate, "demo": _cmd_demo,
                "convert-checkpoint": _cmd_convert, "import-mindspore": _cmd_import,
-               "export-mindspore": _cmd_export_ms, "suggest": _cmd_suggest}[args.command]
+               "export-mindspore": _cmd_export_ms, "suggest": _cmd_suggest, "train": _cmd_train}[args.command]
     with warnings.catch_warnings():
         warnings.simplefilter("default", ConfigWarning)
         show = warnings.showwarning

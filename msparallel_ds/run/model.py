@@ -1,0 +1,72 @@
+"""The run's model: HF architecture from model.model_config (the importer's YAML -> HF config mapping) or from
+pretrained_model_dir; weights from a HF folder, an engine.save checkpoint, or a MindSpore checkpoint through the
+importer (load_checkpoint + src_strategy_path_or_dir); otherwise random init seeded by `seed`."""
+from __future__ import annotations
+
+import glob
+import os
+from typing import Mapping, Optional
+
+import torch
+
+from ..config.errors import ConfigError, ConfigIssue
+
+
+def _err(key, value, rule, fix=""):
+    return ConfigError(ConfigIssue(key, value, rule, fix))
+
+
+def _is_hf_folder(path: Optional[str]) -> bool:
+    return bool(path) and os.path.isfile(os.path.join(path, "config.json")) and bool(
+        glob.glob(os.path.join(path, "*.safetensors")) or glob.glob(os.path.join(path, "pytorch_model*.bin")))
+
+
+def _is_engine_save(path: str) -> bool:
+    from ..checkpoint.format import FILE
+    return os.path.isfile(os.path.join(path, FILE))
+
+
+def check_sources(raw: Mapping) -> None:
+    """Before any process group: a named checkpoint that is not there is one clear error."""
+    src = raw.get("load_checkpoint") or ""
+    if src and not os.path.exists(str(src)):
+        raise _err("load_checkpoint", src, "does not exist", "point it at a HF folder, an engine.save folder or a "
+                   "MindSpore .ckpt/.safetensors (file or rank_* folder), or leave it empty for random init")
+    strategy = raw.get("src_strategy_path_or_dir") or ""
+    if strategy and not os.path.exists(str(strategy)):
+        raise _err("src_strategy_path_or_dir", strategy, "does not exist", "fix the path or leave it empty")
+
+
+def build_model(raw: Mapping, run_yaml: str, seed: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    src = str(raw.get("load_checkpoint") or "")
+    pretrained = raw.get("pretrained_model_dir")
+    hf_dir = src if _is_hf_folder(src) else (str(pretrained) if _is_hf_folder(pretrained) else None)
+    if hf_dir:
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
+    else:
+        from ..checkpoint.mindformers_model import model_from_yaml
+        try:
+            config = model_from_yaml(run_yaml).hf_config
+        except ValueError as e:
+            raise _err("model.model_config", None, str(e)) from None
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if src and not _is_hf_folder(src):
+        model.load_state_dict(_weights(src, raw, run_yaml), strict=True)
+    return model.float()
+
+
+def _weights(src: str, raw: Mapping, run_yaml: str) -> dict:
+    if os.path.isdir(src) and _is_engine_save(src):  # weights only: resume_training restores the rest
+        from ..checkpoint.format import FILE, FORMAT, read_checkpoint_file
+        ck = read_checkpoint_file(os.path.join(src, FILE), FORMAT)
+        return {name: rec["fp32"] for name, rec in ck["params"].items()}
+    from ..checkpoint.mindformers import mindformers_to_hf
+    strategy = raw.get("src_strategy_path_or_dir") or None
+    try:
+        _, tensors, _, _ = mindformers_to_hf(src, run_yaml, strategy=strategy)
+    except (ValueError, FileNotFoundError) as e:
+        raise _err("load_checkpoint", src, f"could not be imported as a MindSpore checkpoint: {e}") from None
+    return {k: v.float() for k, v in tensors.items()}
