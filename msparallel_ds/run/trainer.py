@@ -1,11 +1,9 @@
 """The Trainer: built from the YAML, one component per concern, the loop in `train` (one screen)."""
 from __future__ import annotations
 
-import inspect
 import os
 import shutil
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -13,7 +11,6 @@ import torch.distributed as dist
 import msparallel_ds as msp
 
 from .. import runtime
-from ..config.errors import ConfigError, ConfigIssue, ConfigWarning
 from ..data import open_train_dataset
 from .batches import StepBatches
 from .checkpoints import CheckpointMonitor
@@ -47,7 +44,7 @@ class Trainer:
             m = build_model(raw, run_yaml, spec.seed)
             n_params.append(sum(p.numel() for p in m.parameters()))
             return m
-        self.engine = msp.initialize(model, self.cfg, layout=self.layout, **_optimizer_args(plan, raw, self.total_steps))
+        self.engine = msp.initialize(model, self.cfg, layout=self.layout, total_steps=self.total_steps)
         torch.manual_seed(spec.seed + self.rank)                      # dropout etc.: per rank, restored on resume
         ck = spec.callback("CheckpointMonitor") or {}                 # callbacks
         self.checkpoints = CheckpointMonitor(spec.output_dir, ck.get("save_checkpoint_steps"),
@@ -85,23 +82,3 @@ class Trainer:
             self.engine.save_pretrained(hf)
         self.monitor.close()
         return {"losses": losses, "step": self.step, "total_steps": self.total_steps}
-
-
-def _optimizer_args(plan, raw, total_steps: int) -> dict:
-    """msp.initialize's optimizer: the YAML's optimizer and lr schedule with MindSpore's maths when msp.initialize
-    takes total_steps (msp.build_optimizer / msp.build_lr_scheduler); until then (checked by signature, so this
-    runs with either main) the YAML's Adam as torch AdamW at a constant learning rate, warned."""
-    if "total_steps" in inspect.signature(msp.initialize).parameters:
-        return {"total_steps": total_steps}
-    spec = plan.optimizer
-    if not spec:
-        raise ConfigError(ConfigIssue("optimizer", None, "is missing", "add the YAML's optimizer section"))
-    params = dict(spec["params"])
-    if "lr" not in params:
-        raise ConfigError(ConfigIssue("optimizer.learning_rate", None, "is missing (and lr_schedule.learning_rate)"))
-    opt = raw.get("optimizer") or {}
-    params["betas"] = tuple(params.get("betas", (opt.get("beta1", 0.9), opt.get("beta2", 0.999))))
-    warnings.warn(f"optimizer.type={spec.get('mindformers_type')}: torch AdamW, constant lr {params['lr']} "
-                  f"(lr_schedule {plan.lr_schedule and plan.lr_schedule.get('type')} waits for msp.build_lr_scheduler)",
-                  ConfigWarning, stacklevel=2)
-    return {"optimizer": lambda p: torch.optim.AdamW(p, **params)}
