@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
+from ..checkpoint.rope import legacy_rope_parameters
 from ..checkpoint.weight_map import FusedGateUp, FusedQKV, Rename, WeightOp
 from .base import DecoderAdapter, LayerParts
 from .stage import StageModule
@@ -278,10 +279,6 @@ def legacy_hf_config(mc: Mapping) -> tuple[str, dict]:
     if arch_type != "LlamaConfig":
         raise _legacy_error("type", arch_type, "is not a legacy model msparallel_ds can import", "legacy imports "
                             "cover LlamaConfig models (Llama 2/3, Qwen 1.5/2/2.5 YAMLs); use a 2.x mcore YAML")
-    if str(mc.get("extend_method", "None")) != "None":
-        raise _legacy_error("extend_method", mc["extend_method"], "(RoPE scaling) has no HF counterpart here",
-                            "set rope_scaling in the written config.json by hand after importing with "
-                            "extend_method: None")
     qkv_bias, o_bias = bool(mc.get("qkv_has_bias", False)), bool(mc.get("attn_proj_has_bias", False))
     if o_bias and not qkv_bias:
         raise _legacy_error("attn_proj_has_bias", True, "without qkv_has_bias has no HF Llama/Qwen2 counterpart",
@@ -292,7 +289,7 @@ def legacy_hf_config(mc: Mapping) -> tuple[str, dict]:
           "num_attention_heads": heads, "num_key_value_heads": int(mc.get("n_kv_heads") or heads),
           "intermediate_size": _legacy_ffn_size({"hidden_size": 4096, **mc}),
           "vocab_size": int(mc.get("vocab_size", 32000)),
-          "rms_norm_eps": float(mc.get("rms_norm_eps", 1e-5)), "rope_theta": float(mc.get("theta", 10000.0)),
+          "rms_norm_eps": float(mc.get("rms_norm_eps", 1e-5)), "rope_parameters": legacy_rope_parameters(mc),
           "max_position_embeddings": int(mc.get("max_position_embedding") or mc.get("seq_length") or 2048),
           "bos_token_id": mc.get("bos_token_id", 1), "eos_token_id": mc.get("eos_token_id", 2),
           "pad_token_id": mc.get("pad_token_id", 0), "tie_word_embeddings": bool(mc.get("tie_word_embeddings", False)),
