@@ -34,14 +34,17 @@ class LlamaFamily(DecoderAdapter):
         "self_attn": ["attention"], "mlp": ["feed_forward"],
         "input_layernorm": ["attention_norm", "attention_norm.norm"],
         "post_attention_layernorm": ["ffn_norm", "ffn_norm.norm"],
-        "self_attn.q_proj": ["attention.wq", "attention.w_qkv"],
-        "self_attn.k_proj": ["attention.wk", "attention.w_qkv"],
-        "self_attn.v_proj": ["attention.wv", "attention.w_qkv"], "self_attn.o_proj": ["attention.wo"],
+        "self_attn.q_proj": ["attention.wq", "attention.w_qkv", "self_attention.linear_qkv"],
+        "self_attn.k_proj": ["attention.wk", "attention.w_qkv", "self_attention.linear_qkv"],
+        "self_attn.v_proj": ["attention.wv", "attention.w_qkv", "self_attention.linear_qkv"],
+        "self_attn.o_proj": ["attention.wo", "self_attention.linear_proj"],
         "self_attn.q_norm": ["attention.q_norm"], "self_attn.k_norm": ["attention.k_norm"],
-        "mlp.gate_proj": ["feed_forward.w1", "feed_forward.w_gate_hidden"],
-        "mlp.up_proj": ["feed_forward.w3", "feed_forward.w_gate_hidden"], "mlp.down_proj": ["feed_forward.w2"],
+        "mlp.gate_proj": ["feed_forward.w1", "feed_forward.w_gate_hidden", "mlp.linear_fc1"],
+        "mlp.up_proj": ["feed_forward.w3", "feed_forward.w_gate_hidden", "mlp.linear_fc1"],
+        "mlp.down_proj": ["feed_forward.w2", "mlp.linear_fc2"],
         "mlp.act_fn": ["feed_forward.w1.activation", "feed_forward.activate", "feed_forward.w1.activation.silu"],
     }
+    mindformers_top_names = {"lm_head": ["lm_head", "output_layer"]}  # legacy / mcore
 
     # ------------------------------------------------------------------------------------------ structure
     def layer_items(self, part: nn.Module) -> list[tuple[int, nn.Module]]:
