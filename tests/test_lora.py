@@ -60,7 +60,7 @@ def _cases(rank, world_size, save_dir):
             ids, labels = global_batch(step, rows * dp)
             share = slice(d * rows, (d + 1) * rows)
             losses.append(engine.train_batch({"input_ids": ids[share], "labels": labels[share]}).item())
-        state = engine.full_state_dict()
+        state = {k: v.clone() for k, v in engine.full_state_dict().items()}  # before the resume step below
         ref_losses, ref_state = _reference(rows * dp, cfg.pet)
         if name == "dp2-zero1":  # save_pretrained: plain HF weights with the adapters merged (W + B A alpha/r)
             from transformers import AutoModelForCausalLM
@@ -70,6 +70,14 @@ def _cases(rank, world_size, save_dir):
             q = "model.layers.1.self_attn.q_proj."
             merged = ref_state[q + "base_layer.weight"] + ref_state[q + "lora_B.default.weight"] @ ref_state[
                 q + "lora_A.default.weight"] * 2.0
+            engine.save(save_dir + "-engine")  # resume: a fresh LoRA engine loads it and takes the same next step
+            again = msp.initialize(tiny_model(), cfg, optimizer=lambda p: torch.optim.AdamW(
+                p, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0))
+            again.load(save_dir + "-engine")
+            ids, labels = global_batch(STEPS, rows * dp)
+            share = slice(d * rows, (d + 1) * rows)
+            nxt = [e.train_batch({"input_ids": ids[share], "labels": labels[share]}).item() for e in (engine, again)]
+            out["resume"] = abs(nxt[0] - nxt[1])
             out["merged"] = {"q": (saved[q + "weight"] - merged).abs().max().item(), "keys": set(saved) == set(base),
                              "k": (saved["model.layers.1.self_attn.k_proj.weight"]
                                    - base["model.layers.1.self_attn.k_proj.weight"]).abs().max().item()}
@@ -90,6 +98,7 @@ def _cases(rank, world_size, save_dir):
 def test_lora_trains_only_lora_weights_under_dp_cp_pp(tmp_path):
     for rank_result in run_distributed(_cases, 2, str(tmp_path / "hf"), timeout=400):
         merged = rank_result.pop("merged")
+        assert rank_result.pop("resume") <= 1e-6
         assert merged["keys"] and merged["q"] <= 1e-6 and merged["k"] == 0.0, merged
         for name, r in rank_result.items():
             assert r["keys"] and r["n_lora"] == 4 * 3 * 2, (name, r)
