@@ -173,3 +173,49 @@ def test_yaml_without_a_model_is_refused(tmp_path):
     bare.write_text("runner_config: {batch_size: 1}\n")
     with pytest.raises(ValueError, match="no model: / model.model_config section"):
         model_from_yaml(bare)
+
+
+def test_legacy_mixtral_moe_config_round_trip(tmp_path):
+    """A legacy LlamaConfig YAML with moe_config (MindFormers' Mixtral, research/mixtral/convert_weight.py): export
+    writes its names and stacking (router.dense; ffn.w1 / w2 / w3 = the experts' gate / down / up stacked), import
+    returns the identical tensors and the same logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from msparallel_ds.checkpoint.mindformers import export_mindspore, import_mindspore
+    from msparallel_ds.checkpoint.mindspore_files import read_ckpt
+
+    raw = yaml.safe_load((FIX / "llama_legacy" / "model.yaml").read_text())
+    raw["moe_config"] = {"expert_num": 4, "num_experts_chosen": 2, "capacity_factor": 1.1, "aux_loss_factor": 0.05,
+                         "routing_policy": "TopkRouterV2"}
+    config = tmp_path / "mixtral.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "mixtral", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))  # the YAML's theta (HF Mixtral: 1e6)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.1)
+    hf.eval().save_pretrained(str(tmp_path / "hf"))
+    export_mindspore(str(tmp_path / "hf"), str(tmp_path / "mixtral.ckpt"), str(config))
+    mf = read_ckpt(str(tmp_path / "mixtral.ckpt"))
+    up = hf.model.layers[1].mlp.experts
+    assert torch.equal(mf["model.layers.1.feed_forward.ffn.w1.weight"], up.gate_up_proj[:, :64])
+    assert torch.equal(mf["model.layers.1.feed_forward.ffn.w3.weight"], up.gate_up_proj[:, 64:])
+    assert torch.equal(mf["model.layers.1.feed_forward.ffn.w2.weight"], up.down_proj)
+    assert torch.equal(mf["model.layers.1.feed_forward.router.dense.weight"], hf.model.layers[1].mlp.gate.weight)
+    assert {"model.tok_embeddings.embedding_weight", "model.norm_out.weight", "lm_head.weight",
+            "model.layers.0.attention.wq.weight", "model.layers.0.attention_norm.weight"} <= set(mf)
+    import_mindspore(str(tmp_path / "mixtral.ckpt"), str(tmp_path / "back"), str(config))
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
+    assert back.config.model_type == "mixtral" and back.config.num_local_experts == 4
+    ref = dict(hf.named_parameters())
+    assert all(torch.equal(p, ref[n]) for n, p in back.named_parameters())
+    ids = torch.arange(24).reshape(2, 12) % 64
+    assert torch.equal(_logits(back, ids), _logits(hf, ids))
+    raw["moe_config"]["shared_expert_num"] = 1
+    config.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match="moe_config.shared_expert_num=1"):
+        import_mindspore(str(tmp_path / "mixtral.ckpt"), str(tmp_path / "x"), str(config))

@@ -102,7 +102,8 @@ def model_from_yaml(path: str | Path, *, legacy_fused_layout: str = "interleaved
                          "architecture) instead of a template")
     if legacy:
         try:
-            model_type, kw = legacy_hf_config(mc)
+            moe = raw.get("moe_config")
+            model_type, kw = legacy_hf_config(mc, moe if isinstance(moe, Mapping) else None)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
     else:

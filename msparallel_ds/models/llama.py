@@ -134,14 +134,14 @@ class LlamaFamily(DecoderAdapter):
                             fc1_interleaved: bool = True) -> list[WeightOp]:
         """MindFormers checkpoint names <-> this family's HF names (checkpoint/weight_map.py). legacy: the
         LlamaForCausalLM cells of MindFormers <= 1.x and 2.x `use_legacy: true`; else the 2.x mcore GPT cells."""
-        return _legacy_ops(qkv_interleaved) if legacy else mcore_dense_ops(qkv_interleaved, fc1_interleaved)
+        return legacy_ops(qkv_interleaved) if legacy else mcore_dense_ops(qkv_interleaved, fc1_interleaved)
 
 
 _HF = "model.layers.{L}."
 _QKV = ("q", "k", "v")
 
 
-def _legacy_ops(interleaved: bool) -> list[WeightOp]:
+def legacy_ops(interleaved: bool) -> list[WeightOp]:
     """mindformers 2.1.0 models/llama/convert_weight.py:107-120 (name_replace, HF -> MindFormers names; q/k rows
     are not permuted: that permute, :70, is for Meta .pth files only). qkv_concat fuses w_qkv and w_gate_hidden:
     interleaved per kv group / row by row in 1.6 and 2.1 (utils/convert_utils.py:65-106, read by
@@ -275,7 +275,7 @@ def _legacy_ffn_size(mc: Mapping) -> int:
     return m * ((dim + m - 1) // m)
 
 
-def legacy_hf_config(mc: Mapping) -> tuple[str, dict]:
+def legacy_hf_config(mc: Mapping, moe: Optional[Mapping] = None) -> tuple[str, dict]:
     """(HF model_type, config kwargs) of a MindFormers legacy `model_config` (type LlamaConfig; mindformers 2.1.0
     models/llama/llama_config.py:132-176): Llama, or Qwen2 when only q/k/v carry biases (qkv_has_bias)."""
     arch_type = str(mc.get("type", "LlamaConfig"))
@@ -299,4 +299,30 @@ def legacy_hf_config(mc: Mapping) -> tuple[str, dict]:
           "hidden_act": "silu"}
     if model_type == "llama":
         kw["attention_bias"] = qkv_bias
+    experts = int((moe or {}).get("expert_num", 1) or 1)
+    if experts > 1:  # a legacy Llama with moe_config: MindFormers' Mixtral (research/mixtral)
+        _legacy_moe_checks(moe, qkv_bias)
+        model_type = "mixtral"
+        kw.pop("attention_bias", None)
+        kw.update(num_local_experts=experts, num_experts_per_tok=int(moe.get("num_experts_chosen", 1)))
     return model_type, kw
+
+
+def _legacy_moe_checks(moe: Mapping, qkv_bias: bool) -> None:
+    """What HF Mixtral (softmax, top-k renormalised, no shared experts, no biases) can hold of a moe_config
+    (mindformers 2.1.0 modules/transformer/moe.py:87-190 MoEConfig)."""
+    def bad(key, value, rule, fix):
+        return ValueError(f"moe_config.{key}={value!r} {rule}; {fix}")
+
+    if int(moe.get("shared_expert_num", 0) or 0):
+        raise bad("shared_expert_num", moe["shared_expert_num"], "(Qwen2-MoE style shared experts) is not mapped for "
+                  "legacy checkpoints", "only Mixtral-style legacy MoE imports; use a 2.x mcore YAML")
+    if int(moe.get("num_experts_chosen", 1)) > 1 and moe.get("norm_topk_prob", True) is False:
+        raise bad("norm_topk_prob", False, "has no HF Mixtral counterpart (it renormalises the top-k weights)",
+                  "import with norm_topk_prob: true only if the run used it")
+    if float(moe.get("routed_scaling_factor", 1.0) or 1.0) != 1.0:
+        raise bad("routed_scaling_factor", moe["routed_scaling_factor"], "has no HF Mixtral counterpart",
+                  "only 1.0 imports as Mixtral")
+    if qkv_bias:
+        raise bad("expert_num", moe.get("expert_num"), "with model_config.qkv_has_bias has no HF Mixtral counterpart",
+                  "Mixtral has no attention biases")
