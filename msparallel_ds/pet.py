@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["apply_lora", "lora_applied"]
+__all__ = ["apply_lora", "lora_applied", "merged_state_dict", "require_lora"]
 
 INIT_STD = 0.01   # mindspore.common.initializer.Normal's default sigma ('normal')
 INIT_SEED = 0
@@ -24,6 +24,16 @@ INIT_SEED = 0
 def lora_applied(model: nn.Module) -> bool:
     """Whether peft LoRA layers are in the model (without importing peft: save paths ask it of every model)."""
     return any(isinstance(getattr(m, "lora_A", None), nn.ModuleDict) for m in model.modules())
+
+
+def require_lora(model: nn.Module, settings) -> None:
+    """Under accelerate / the HF Trainer the optimizer exists before the model reaches us, so LoRA cannot be
+    injected there: a pet_config without LoRA layers in the model is an error, not a silent full fine-tune."""
+    if settings is not None and not lora_applied(model):
+        raise ValueError("model.model_config.pet_config (pet_type: lora) is set but the model has no LoRA layers: "
+                         "under accelerate / the HF Trainer apply it before building the optimizer, `model = "
+                         "msparallel_ds.pet.apply_lora(model, msp.load_config(yaml).pet)`, or use msp.initialize "
+                         "(it does so); or drop pet_config to train every weight")
 
 
 def apply_lora(model: nn.Module, settings) -> nn.Module:

@@ -152,3 +152,16 @@ def test_pet_config_errors(pet, layout, words):
     c["model"]["model_config"]["pet_config"] = pet
     with pytest.raises(msp.ConfigError, match=words):
         msp.load_config(c)
+
+
+def test_accelerate_path_refuses_pet_config_without_lora():
+    """MindFormersAccelerator._prepare_deepspeed calls require_lora: there the optimizer predates the model, so a
+    pet_config whose LoRA was not applied first is an error, not a silent full fine-tune."""
+    import msparallel_ds as msp
+    from msparallel_ds.pet import apply_lora, require_lora
+
+    settings = msp.load_config(_config()).pet
+    with pytest.raises(ValueError, match="pet_config .* has no LoRA layers.*apply_lora"):
+        require_lora(tiny_model(), settings)
+    require_lora(apply_lora(tiny_model(), settings), settings)
+    require_lora(tiny_model(), None)
