@@ -277,6 +277,10 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer:
     check_optim(layout.plan.config, optimizer, lr_scheduler, total_steps)  # before any weights exist
     if not isinstance(model, nn.Module):
         model = model()
+    if cfg.pet is not None:  # model_config.pet_config: LoRA injected before any split, only its weights train
+        from .pet import apply_lora
+
+        model = apply_lora(model, cfg.pet)
     plan = layout.plan
     if layout.size("pp") > 1:  # torch.distributed.pipelining schedules (DeepSpeed's PipelineModule takes no mpu)
         from .pipeline.engine import initialize_pipeline

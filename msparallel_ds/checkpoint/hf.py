@@ -68,6 +68,10 @@ def save_pretrained(model: nn.Module, layout: ParallelLayout, save_dir: str | os
     """Write a plain HF checkpoint (safetensors, config, generation config) of a tp-parallel model; call on every
     rank. Global rank 0 writes with HF's own model.save_pretrained; every rank returns once the files exist."""
     full = gather_full_state_dict(model, layout, spec=spec)
+    from ..pet import lora_applied, merged_state_dict
+
+    if full is not None and lora_applied(model):  # pet_config LoRA: the HF model with the adapters merged in
+        full = merged_state_dict(model, full)
     if layout.global_rank == 0:
         save_dir = os.fspath(save_dir)
         total = sum(t.numel() for t in {id(t): t for t in full.values()}.values())  # HF empties `full` as it writes

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from .rope import mcore_rope_parameters
 __all__ = ["MindFormersModel", "model_from_yaml"]
 
 
@@ -55,6 +56,11 @@ def _mcore_config(mc: Mapping, raw: Mapping, path) -> tuple[str, dict]:
         kw["hidden_act"] = "silu"
     if "untie_embeddings_and_output_weights" in mc and "tie_word_embeddings" not in mc:
         kw["tie_word_embeddings"] = not mc["untie_embeddings_and_output_weights"]
+    rope = mcore_rope_parameters(mc, kw)
+    for key in ("rope_theta", "rope_scaling", "partial_rotary_factor"):  # all kept in rope_parameters now
+        kw.pop(key, None)
+    if rope is not None:
+        kw["rope_parameters"] = rope
     archs = mc.get("architectures") or kw.get("architectures")
     if archs:
         kw["architectures"] = [archs] if isinstance(archs, str) else list(archs)
@@ -84,14 +90,20 @@ def model_from_yaml(path: str | Path, *, legacy_fused_layout: str = "interleaved
     raw = yaml.safe_load(Path(path).read_text())
     mc = ((raw or {}).get("model") or {}).get("model_config") if isinstance(raw, Mapping) else None
     if not isinstance(mc, Mapping):
-        raise ValueError(f"{path}: no model.model_config section: the YAML of the run that wrote the checkpoint is "
+        raise ValueError(f"{path}: no model: / model.model_config section: the YAML of the run that wrote the checkpoint is "
                          "needed (it describes the model)")
     if legacy_fused_layout not in ("interleaved", "concat"):
         raise ValueError(f"legacy fused layout {legacy_fused_layout!r} must be 'interleaved' or 'concat'")
     legacy = raw.get("use_legacy", True) is not False
+    if legacy and not mc.get("type"):  # e.g. general/run_general_task.yaml: a template with no model in it
+        raise ValueError(f"{path}: model.model_config names no model (no `type`, e.g. LlamaConfig, and no "
+                         f"`use_legacy: false` + model_type): keys {sorted(mc) or 'none'}; the YAML of the run that "
+                         "wrote the checkpoint is needed: fill its model: section (model_config with the "
+                         "architecture) instead of a template")
     if legacy:
         try:
-            model_type, kw = legacy_hf_config(mc)
+            moe = raw.get("moe_config")
+            model_type, kw = legacy_hf_config(mc, moe if isinstance(moe, Mapping) else None)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
     else:
@@ -106,6 +118,11 @@ def model_from_yaml(path: str | Path, *, legacy_fused_layout: str = "interleaved
         adapter = adapter_for_config(hf_config)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+    partial = (getattr(hf_config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    if float(partial) != 1.0 and _rotates_whole_head(hf_config):
+        raise ValueError(f"{path}: model.model_config partial rotary factor (rotary_percent / partial_rotary_factor) "
+                         f"{partial}: HF {model_type} rotates whole heads and would ignore it (silently other "
+                         "logits); only 1.0 imports for this family")
     if legacy:
         ops = adapter.mindformers_weights(hf_config, legacy=True, qkv_interleaved=legacy_fused_layout == "interleaved")
         qkv_concat = bool(mc.get("qkv_concat", False))
@@ -116,6 +133,19 @@ def model_from_yaml(path: str | Path, *, legacy_fused_layout: str = "interleaved
             fc1_interleaved=bool(mc.get("use_interleaved_weight_layout_mlp", True)))
         qkv_concat = True
     return MindFormersModel(hf_config, adapter, legacy, qkv_concat, ops)
+
+
+def _rotates_whole_head(hf_config) -> bool:
+    """Whether the HF model ignores partial_rotary_factor (Llama-like families do): its rotary table, built on the
+    meta device, has head_dim / 2 frequencies."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    sizes = {b.numel() for n, b in model.named_buffers() if n.endswith("inv_freq")}
+    return head_dim // 2 in sizes
 
 
 def _causal_lm_name(model_type: str) -> str:

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["Concat", "Experts", "FusedGateUp", "FusedQKV", "MappingError", "Rename", "WeightOp", "to_hf", "to_mf"]
+__all__ = ["Concat", "Experts", "Joined", "FusedGateUp", "FusedQKV", "MappingError", "Rename", "WeightOp", "to_hf", "to_mf"]
 
 
 class MappingError(ValueError):
@@ -109,6 +109,20 @@ class Concat(WeightOp):
 
     def to_mf(self, ts, cfg):
         return [torch.cat(ts, dim=self.dim)]
+
+
+@dataclass(frozen=True)
+class Joined(WeightOp):
+    """Several MindFormers tensors concatenated along `dim` in one HF tensor (equal sizes): the inverse of Concat,
+    e.g. legacy Mixtral's stacked ffn.w1 / ffn.w3 [E, I, H] -> transformers 5's gate_up_proj [E, 2I, H]."""
+
+    dim: int = 0
+
+    def to_hf(self, ts, cfg):
+        return [torch.cat(ts, dim=self.dim)]
+
+    def to_mf(self, ts, cfg):
+        return [t.contiguous() for t in torch.chunk(ts[0], len(self.mf), dim=self.dim)]
 
 
 @dataclass(frozen=True)

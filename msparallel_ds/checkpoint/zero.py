@@ -45,6 +45,20 @@ def _link_optimizer_state(engine) -> None:
         ds_opt._lazy_init_hp_params_optimizer_state()
 
 
+def _frozen(p, stage: int) -> Tensor:
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([p], enabled=stage == 3):
+        return p.detach().float().clone()
+
+
+def _set_frozen(p, value: Tensor, stage: int) -> None:
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=stage == 3):
+        p.copy_(value.to(p.dtype))
+
+
 def save_checkpoint(engine, save_dir: str) -> None:
     """Every rank calls; global rank 0 writes save_dir/FILE."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -57,7 +71,9 @@ def save_checkpoint(engine, save_dir: str) -> None:
         _link_optimizer_state(engine)
     params: dict[str, dict[str, Tensor]] = {}
     for name, p in engine.model.named_parameters():
-        if stage == 0:
+        if not p.requires_grad:  # frozen (pet_config LoRA): no optimizer copy; the module weight is the value
+            rec = {"fp32": _frozen(p, stage)}
+        elif stage == 0:
             state = opt.state.get(p, {})
             rec = {"fp32": p.detach().float(), **{k: state[k] for k in keys if k in state}}
         else:
@@ -110,6 +126,9 @@ def load_checkpoint(engine, load_dir: str) -> dict[str, Any]:
     with torch.no_grad():
         for name, p in engine.model.named_parameters():
             rec = parts[name]
+            if not p.requires_grad:  # frozen: only the module weight (ZeRO-3: gathered, set, partitioned again)
+                _set_frozen(p, rec["fp32"], stage)
+                continue
             p.copy_(rec["fp32"].to(p.dtype))  # the module weight (ZeRO 1/2 keep it whole on every dp rank)
             if stage == 0:
                 for k in keys:

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from .errors import ConfigError, ConfigIssue, ConfigWarning
 from .modes import apply_mode_resets
 from .moe import read_moe
+from .pet import read_pet
 from .reader import MAX_DEPTH, check_depth, read_source
 from .rules import check_rules
 from .schema import PARALLELISM_KEYS, ParallelConfig, ParallelConfigSection
@@ -100,9 +101,11 @@ def _build(raw: Any, label: str | None) -> ParallelConfig:
         raise ConfigError(_as_written(list(found.values()), spelled), label) from None
     issues = check_rules(cfg)
     moe, moe_issues = read_moe(raw, cfg)  # moe_config / mcore MoE keys, with their rules (config.moe)
-    if issues or moe_issues:
-        raise ConfigError(_as_written(issues, spelled) + moe_issues, label)
-    return cfg if moe is None else cfg.model_copy(update={"moe": moe})
+    pet, pet_issues = read_pet(raw, cfg)  # model_config.pet_config: LoRA (config.pet)
+    if issues or moe_issues or pet_issues:
+        raise ConfigError(_as_written(issues, spelled) + moe_issues + pet_issues, label)
+    extra = {k: v for k, v in (("moe", moe), ("pet", pet)) if v is not None}
+    return cfg.model_copy(update=extra) if extra else cfg
 
 
 def _as_written(issues: list[ConfigIssue], spelled: dict[str, str]) -> list[ConfigIssue]:

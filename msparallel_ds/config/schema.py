@@ -263,6 +263,7 @@ class ParallelConfig(_Section):
     # moe.settings.MoESettings read from `moe_config:` / the mcore model_config MoE keys by config.moe (never from
     # the YAML directly); None when the YAML describes no experts
     moe: Optional[Any] = None
+    pet: Optional[Any] = None  # config.pet.LoraSettings from model.model_config.pet_config; None: every weight trains
 
     # Short names used across the package.
     @property

@@ -389,10 +389,12 @@ class MindFormersAccelerator(Accelerator):
         from torch.optim.lr_scheduler import LRScheduler
 
         from .. import runtime
+        from ..pet import require_lora
         from ..strategy import parallelize, prepare_user_loop
 
         models = [a for a in args if isinstance(a, nn.Module)]
         if models:
+            require_lora(models[0], self.plan.config.pet)  # pet_config: LoRA must predate the optimizer
             model = runtime.cpu_float32(models[0], self.layout, self.plan)  # in place: the optimizer stays valid
             names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
             parallelize(model, self.layout)

@@ -51,6 +51,7 @@ class DecoderAdapter:
     prefix = "model"                               # base model attribute (HF base_model_prefix)
     sequence_parallel_children: tuple[str, ...] = ()  # children of a layer that run on the SP sequence slice
     mindformers_names: dict[str, list[str]] = {}  # HF name inside a layer -> MindFormers cell names
+    mindformers_top_names: dict[str, list[str]] = {}  # the same for modules outside the layers (the head)
 
     # ------------------------------------------------------------------------------------------ which models
     def matches(self, architecture: str, model_type: Optional[str]) -> bool:
@@ -138,6 +139,23 @@ class DecoderAdapter:
                             fc1_interleaved: bool = True) -> list:
         """The family's MindFormers <-> HF weight map (checkpoint/weight_map.py ops)."""
         raise ValueError(f"{type(self).__name__}: no MindFormers weight-name map for this family yet")
+
+    def lora_targets(self, model: nn.Module, pattern: str, exclude: tuple[str, ...] = ()) -> list[str]:
+        """Full names of the Linear modules MindFormers' LoRA would replace for `pattern` (pet_config.target_modules):
+        it `re.match`es each cell's own name (pet/tuners/lora_adapter.py:65-67), so a module is a target when the last
+        part of one of its MindFormers names matches and no exclude_layers regex does. Fused MindFormers cells
+        (w_qkv, linear_fc1) stand for each HF projection they hold."""
+        found = []
+        for name, module in model.named_modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            head, sep, rest = name.partition(".layers.")
+            inner = rest.partition(".")[2] if sep else name
+            cells = (self.mindformers_names if sep else self.mindformers_top_names).get(inner, [])
+            own = {cell.rpartition(".")[2] for cell in cells}
+            if any(re.match(pattern, c) for c in own) and not any(re.match(x, c) for x in exclude for c in own):
+                found.append(name)
+        return found
 
     def layer_count(self, model: nn.Module) -> int:
         return len(self.base(model).layers)

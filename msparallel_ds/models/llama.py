@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
+from ..checkpoint.rope import legacy_rope_parameters
 from ..checkpoint.weight_map import FusedGateUp, FusedQKV, Rename, WeightOp
 from .base import DecoderAdapter, LayerParts
 from .stage import StageModule
@@ -33,14 +34,17 @@ class LlamaFamily(DecoderAdapter):
         "self_attn": ["attention"], "mlp": ["feed_forward"],
         "input_layernorm": ["attention_norm", "attention_norm.norm"],
         "post_attention_layernorm": ["ffn_norm", "ffn_norm.norm"],
-        "self_attn.q_proj": ["attention.wq", "attention.w_qkv"],
-        "self_attn.k_proj": ["attention.wk", "attention.w_qkv"],
-        "self_attn.v_proj": ["attention.wv", "attention.w_qkv"], "self_attn.o_proj": ["attention.wo"],
+        "self_attn.q_proj": ["attention.wq", "attention.w_qkv", "self_attention.linear_qkv"],
+        "self_attn.k_proj": ["attention.wk", "attention.w_qkv", "self_attention.linear_qkv"],
+        "self_attn.v_proj": ["attention.wv", "attention.w_qkv", "self_attention.linear_qkv"],
+        "self_attn.o_proj": ["attention.wo", "self_attention.linear_proj"],
         "self_attn.q_norm": ["attention.q_norm"], "self_attn.k_norm": ["attention.k_norm"],
-        "mlp.gate_proj": ["feed_forward.w1", "feed_forward.w_gate_hidden"],
-        "mlp.up_proj": ["feed_forward.w3", "feed_forward.w_gate_hidden"], "mlp.down_proj": ["feed_forward.w2"],
+        "mlp.gate_proj": ["feed_forward.w1", "feed_forward.w_gate_hidden", "mlp.linear_fc1"],
+        "mlp.up_proj": ["feed_forward.w3", "feed_forward.w_gate_hidden", "mlp.linear_fc1"],
+        "mlp.down_proj": ["feed_forward.w2", "mlp.linear_fc2"],
         "mlp.act_fn": ["feed_forward.w1.activation", "feed_forward.activate", "feed_forward.w1.activation.silu"],
     }
+    mindformers_top_names = {"lm_head": ["lm_head", "output_layer"]}  # legacy / mcore
 
     # ------------------------------------------------------------------------------------------ structure
     def layer_items(self, part: nn.Module) -> list[tuple[int, nn.Module]]:
@@ -130,14 +134,14 @@ class LlamaFamily(DecoderAdapter):
                             fc1_interleaved: bool = True) -> list[WeightOp]:
         """MindFormers checkpoint names <-> this family's HF names (checkpoint/weight_map.py). legacy: the
         LlamaForCausalLM cells of MindFormers <= 1.x and 2.x `use_legacy: true`; else the 2.x mcore GPT cells."""
-        return _legacy_ops(qkv_interleaved) if legacy else mcore_dense_ops(qkv_interleaved, fc1_interleaved)
+        return legacy_ops(qkv_interleaved) if legacy else mcore_dense_ops(qkv_interleaved, fc1_interleaved)
 
 
 _HF = "model.layers.{L}."
 _QKV = ("q", "k", "v")
 
 
-def _legacy_ops(interleaved: bool) -> list[WeightOp]:
+def legacy_ops(interleaved: bool) -> list[WeightOp]:
     """mindformers 2.1.0 models/llama/convert_weight.py:107-120 (name_replace, HF -> MindFormers names; q/k rows
     are not permuted: that permute, :70, is for Meta .pth files only). qkv_concat fuses w_qkv and w_gate_hidden:
     interleaved per kv group / row by row in 1.6 and 2.1 (utils/convert_utils.py:65-106, read by
@@ -271,17 +275,13 @@ def _legacy_ffn_size(mc: Mapping) -> int:
     return m * ((dim + m - 1) // m)
 
 
-def legacy_hf_config(mc: Mapping) -> tuple[str, dict]:
+def legacy_hf_config(mc: Mapping, moe: Optional[Mapping] = None) -> tuple[str, dict]:
     """(HF model_type, config kwargs) of a MindFormers legacy `model_config` (type LlamaConfig; mindformers 2.1.0
     models/llama/llama_config.py:132-176): Llama, or Qwen2 when only q/k/v carry biases (qkv_has_bias)."""
     arch_type = str(mc.get("type", "LlamaConfig"))
     if arch_type != "LlamaConfig":
         raise _legacy_error("type", arch_type, "is not a legacy model msparallel_ds can import", "legacy imports "
                             "cover LlamaConfig models (Llama 2/3, Qwen 1.5/2/2.5 YAMLs); use a 2.x mcore YAML")
-    if str(mc.get("extend_method", "None")) != "None":
-        raise _legacy_error("extend_method", mc["extend_method"], "(RoPE scaling) has no HF counterpart here",
-                            "set rope_scaling in the written config.json by hand after importing with "
-                            "extend_method: None")
     qkv_bias, o_bias = bool(mc.get("qkv_has_bias", False)), bool(mc.get("attn_proj_has_bias", False))
     if o_bias and not qkv_bias:
         raise _legacy_error("attn_proj_has_bias", True, "without qkv_has_bias has no HF Llama/Qwen2 counterpart",
@@ -292,11 +292,37 @@ def legacy_hf_config(mc: Mapping) -> tuple[str, dict]:
           "num_attention_heads": heads, "num_key_value_heads": int(mc.get("n_kv_heads") or heads),
           "intermediate_size": _legacy_ffn_size({"hidden_size": 4096, **mc}),
           "vocab_size": int(mc.get("vocab_size", 32000)),
-          "rms_norm_eps": float(mc.get("rms_norm_eps", 1e-5)), "rope_theta": float(mc.get("theta", 10000.0)),
+          "rms_norm_eps": float(mc.get("rms_norm_eps", 1e-5)), "rope_parameters": legacy_rope_parameters(mc),
           "max_position_embeddings": int(mc.get("max_position_embedding") or mc.get("seq_length") or 2048),
           "bos_token_id": mc.get("bos_token_id", 1), "eos_token_id": mc.get("eos_token_id", 2),
           "pad_token_id": mc.get("pad_token_id", 0), "tie_word_embeddings": bool(mc.get("tie_word_embeddings", False)),
           "hidden_act": "silu"}
     if model_type == "llama":
         kw["attention_bias"] = qkv_bias
+    experts = int((moe or {}).get("expert_num", 1) or 1)
+    if experts > 1:  # a legacy Llama with moe_config: MindFormers' Mixtral (research/mixtral)
+        _legacy_moe_checks(moe, qkv_bias)
+        model_type = "mixtral"
+        kw.pop("attention_bias", None)
+        kw.update(num_local_experts=experts, num_experts_per_tok=int(moe.get("num_experts_chosen", 1)))
     return model_type, kw
+
+
+def _legacy_moe_checks(moe: Mapping, qkv_bias: bool) -> None:
+    """What HF Mixtral (softmax, top-k renormalised, no shared experts, no biases) can hold of a moe_config
+    (mindformers 2.1.0 modules/transformer/moe.py:87-190 MoEConfig)."""
+    def bad(key, value, rule, fix):
+        return ValueError(f"moe_config.{key}={value!r} {rule}; {fix}")
+
+    if int(moe.get("shared_expert_num", 0) or 0):
+        raise bad("shared_expert_num", moe["shared_expert_num"], "(Qwen2-MoE style shared experts) is not mapped for "
+                  "legacy checkpoints", "only Mixtral-style legacy MoE imports; use a 2.x mcore YAML")
+    if int(moe.get("num_experts_chosen", 1)) > 1 and moe.get("norm_topk_prob", True) is False:
+        raise bad("norm_topk_prob", False, "has no HF Mixtral counterpart (it renormalises the top-k weights)",
+                  "import with norm_topk_prob: true only if the run used it")
+    if float(moe.get("routed_scaling_factor", 1.0) or 1.0) != 1.0:
+        raise bad("routed_scaling_factor", moe["routed_scaling_factor"], "has no HF Mixtral counterpart",
+                  "only 1.0 imports as Mixtral")
+    if qkv_bias:
+        raise bad("expert_num", moe.get("expert_num"), "with model_config.qkv_has_bias has no HF Mixtral counterpart",
+                  "Mixtral has no attention biases")

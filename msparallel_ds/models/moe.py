@@ -17,9 +17,9 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
-from ..checkpoint.weight_map import Experts, Rename, WeightOp
+from ..checkpoint.weight_map import Experts, Joined, Rename, WeightOp
 from .base import LayerParts
-from .llama import LlamaFamily, mcore_dense_ops
+from .llama import LlamaFamily, legacy_ops, mcore_dense_ops
 
 __all__ = ["MoEFamily"]
 
@@ -119,8 +119,7 @@ class MoEFamily(LlamaFamily):
         """mcore MoE cells (mindformers 2.1.0 models/qwen3_moe/utils.py:51-115): the router is `mlp.router`, the
         routed experts are stacked in weight1 / weight2 (Experts); dense layers keep the mcore MLP names."""
         if legacy:
-            raise ValueError(f"{config.model_type}: importing MindFormers legacy MoE checkpoints (moe_config, "
-                             "use_legacy: true) is not supported; convert with MindFormers to its mcore names first")
+            return _legacy_mixtral_ops(config, qkv_interleaved)
         if config.model_type != "qwen3_moe":
             raise ValueError(f"{config.model_type}: only Qwen3-MoE's MindFormers mcore names are mapped (shared "
                              "experts and Mixtral's block names are not)")
@@ -139,3 +138,17 @@ class MoEFamily(LlamaFamily):
     # ------------------------------------------------------------------------------------------ interleave
     def layer_parts(self, layer: nn.Module) -> Optional[LayerParts]:
         return None if self.experts_of(layer) is not None else super().layer_parts(layer)
+
+
+def _legacy_mixtral_ops(config: Any, qkv_interleaved: bool) -> list[WeightOp]:
+    """Legacy (moe_config) Mixtral: MindFormers research/mixtral/convert_weight.py name_replace + its expert stacking
+    (feed_forward.router.dense <- block_sparse_moe.gate; ffn.w1 / w2 / w3 = torch.stack of the experts' w1 (gate),
+    w2 (down), w3 (up), [E, I, H] / [E, H, I]); attention and norms as legacy Llama."""
+    if config.model_type != "mixtral":
+        raise ValueError(f"{config.model_type}: only Mixtral's MindFormers legacy MoE names are mapped (Qwen2-MoE "
+                         "shared experts and DeepSeek are not)")
+    mf, hf = "model.layers.{L}.feed_forward.", "model.layers.{L}.mlp."
+    return [op for op in legacy_ops(qkv_interleaved) if not any(".mlp." in n for n in op.hf)] + [
+        Rename(mf + "router.dense.weight", hf + "gate.weight"),
+        Joined((mf + "ffn.w1.weight", mf + "ffn.w3.weight"), (hf + "experts.gate_up_proj",), None, 1),
+        Rename(mf + "ffn.w2.weight", hf + "experts.down_proj")]

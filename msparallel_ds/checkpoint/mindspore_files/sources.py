@@ -36,6 +36,7 @@ OPTIMIZER_PREFIXES = ("adam_m.", "adam_v.", "moment1.", "moment2.", "moments.", 
 STATE_NAMES = frozenset({"epoch_num", "step_num", "global_step", "loss_scale", "scale_sense", "current_iterator_step",
                          "last_overflow_iterator_step", "learning_rate", "beta1_power", "beta2_power",
                          "total_steps", "consumed_samples"})
+_STRATEGY_FILE = re.compile(r"ckpt_strategy.*\.(ckpt|json)$")
 _RANK_DIR = re.compile(r"^rank_(\d+)$")
 _EPOCH_STEP = re.compile(r"-(\d+)_(\d+)\.(?:ckpt|safetensors)$")
 _WEIGHT_EXT = (".ckpt", ".safetensors")
@@ -166,10 +167,20 @@ def _rank_dirs(src: str) -> dict[int, str]:
 
 
 def _find_strategy(root: str) -> str | None:
-    """MindFormers writes output/strategy/ next to output/checkpoint/; also look inside the source."""
+    """MindFormers writes output/strategy/ next to output/checkpoint/; a run's `strategy_ckpt_save_file` (the real
+    YAMLs write "./ckpt_strategy.ckpt", also under parallel.strategy_ckpt_config.save_file) lands next to the rank
+    folders or one level up. Look inside the source, then next to it."""
     for cand in (os.path.join(root, "strategy"), os.path.join(os.path.dirname(root), "strategy")):
         if os.path.isdir(cand) and any(f.endswith((".ckpt", ".json")) for f in os.listdir(cand)):
             return cand
+    for folder in (root, os.path.dirname(root)):
+        found = sorted(f for f in os.listdir(folder) if _STRATEGY_FILE.match(f)
+                       and os.path.isfile(os.path.join(folder, f)))
+        if len(found) > 1:
+            raise ValueError(f"{folder}: several strategy files ({', '.join(found)}) next to the rank folders; "
+                             "pass the one of the run that saved them with --strategy (or a folder of them)")
+        if found:
+            return os.path.join(folder, found[0])
     return None
 
 
@@ -191,7 +202,7 @@ def _merge_ranks(root: str, ranks: dict[int, str], strategy, full_shapes: Mappin
     if strategy is not None or len(ranks) > 1:
         if strategy is None:
             raise ValueError(f"{root}: sliced checkpoints (rank_* folders) but no parallel strategy file next to "
-                             "them (strategy/ckpt_strategy_rank_*.ckpt); pass --strategy")
+                             "them (strategy/ckpt_strategy_rank_*.ckpt or ckpt_strategy.ckpt); pass --strategy")
         layouts = read_strategies(strategy)
         strat_files = [strategy] if os.path.isfile(strategy) else sorted(
             os.path.join(strategy, f) for f in os.listdir(strategy) if f.endswith((".ckpt", ".json")))
