@@ -181,9 +181,10 @@ def main(argv=None) -> int:
     import transformers  # noqa: F401
 
     import msparallel_ds  # noqa: F401
-    from msparallel_ds.runtime import quiet_deepspeed
+    from msparallel_ds.runtime import disable_inference_shm_build, quiet_deepspeed
 
     quiet_deepspeed()
+    disable_inference_shm_build()  # as msp.initialize does off CUDA: no JIT build of an inference-only op
     dirs = a.dirs or [*sorted(Path("/tmp").glob("mf-*/configs")), ROOT.parent / "shared" / "mindformers-configs"]
     paths = [p for p in training_yamls([d for d in dirs if d.is_dir()]) if a.only in str(p)]
     rows = []
