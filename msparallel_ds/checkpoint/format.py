@@ -23,7 +23,6 @@ index SHARDED_INDEX, and engine.load reads only its own file.
 from __future__ import annotations
 
 import errno
-import glob
 import json
 import os
 import tempfile
@@ -54,20 +53,20 @@ def shard_file(pp_rank: int, tp_rank: int) -> str:
 
 def atomic_save(obj: Any, path: str) -> None:
     """torch.save to a temporary name in the same folder, then rename: readers see the old file or the new one."""
+    from .folder import sweep_stale_temps
+
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    for stale in glob.glob(os.path.join(glob.escape(folder), ".tmp-*.pt")):  # left by a save killed mid-write
-        try:
-            os.remove(stale)
-        except OSError:
-            pass
+    sweep_stale_temps(folder)  # only ours, left by a killed save (never a save in flight, never a user's file)
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def atomic_write(path: str, write, *, suffix: str = ".pt") -> None:
     """`write(file)` into a temporary name in path's folder, fsync, then rename: readers see the old file or the
     new one, never a part."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=os.path.dirname(os.path.abspath(path)))
+    from .folder import tmp_prefix
+
+    fd, tmp = tempfile.mkstemp(prefix=tmp_prefix(), suffix=suffix, dir=os.path.dirname(os.path.abspath(path)))
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -107,8 +106,10 @@ def check_names(names, saved, source: str, *, subset: bool = False) -> None:
 def read_for_layout(load_dir: str, layout: ParallelLayout) -> tuple[dict[str, Any], bool]:
     """The checkpoint's content for this rank and whether its tensors are already sliced for this layout (a folder
     written by convert-checkpoint) or full size (engine.save)."""
+    from .folder import checkpoint_kind
+
     index = os.path.join(load_dir, SHARDED_INDEX)
-    if not os.path.exists(index):
+    if checkpoint_kind(load_dir) != "converted":
         return read_checkpoint_file(os.path.join(load_dir, FILE), FORMAT), False
     with open(index) as f:
         meta = json.load(f)
@@ -175,6 +176,19 @@ def _save_failure(e: BaseException, path: str) -> str:
             "checkpoint there is kept")
 
 
+def _locked_save(record: dict, path: str) -> None:
+    """atomic_save under the folder's save lock, then remove what it supersedes (folder.remove_superseded)."""
+    from .folder import acquire_lock, release_lock, remove_superseded
+
+    folder = os.path.dirname(os.path.abspath(path))
+    acquire_lock(folder)
+    try:
+        atomic_save(record, path)
+        remove_superseded(folder, keep=os.path.basename(path))
+    finally:
+        release_lock(folder)
+
+
 def write_agreed(record: Optional[dict], path: str, device=None) -> None:
     """Every rank calls; global rank 0 passes the record and writes it (refusing non-finite tensors), the others
     None. The outcome is broadcast, so a failure on rank 0 is the same CheckpointSaveError on every rank (no rank
@@ -190,7 +204,7 @@ def write_agreed(record: Optional[dict], path: str, device=None) -> None:
                     f"engine.save: refusing to write non-finite training state to {path}: {len(bad)} tensors hold "
                     f"NaN/inf (first: {bad[:3]}); the previous checkpoint there is kept. Training diverged: lower "
                     "the learning rate or check the data, and resume from the kept checkpoint with engine.load")
-            atomic_save(record, path)
+            _locked_save(record, path)
         except Exception as e:  # reported to every rank below
             message, cause = _save_failure(e, path), e
     if dist.is_initialized() and dist.get_world_size() > 1:
