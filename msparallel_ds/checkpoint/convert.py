@@ -17,7 +17,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .format import FILE, FORMAT, SHARDED_FORMAT, SHARDED_INDEX, atomic_save, read_checkpoint_file, shard_file
+from .format import (FILE, FORMAT, SHARDED_FORMAT, SHARDED_INDEX, atomic_save, checksums, read_checkpoint_file,
+                     shard_file, verify_checksums)
 
 __all__ = ["convert_checkpoint", "target_spec"]
 
@@ -75,7 +76,13 @@ def convert_checkpoint(src: str, dst: str, config: Any, *, timeout: Optional[flo
 
     cfg = config if isinstance(config, ParallelConfig) else load_config(config)
     plan = make_plan(cfg)
+    from .folder import checkpoint_kind
+
+    if checkpoint_kind(src) == "sharded":
+        raise ValueError(f"{src} is a sharded checkpoint (engine.save(dir, sharded=True)): it loads under any layout "
+                         "as it is (engine.load reshards), no conversion needed")
     ck = read_checkpoint_file(os.path.join(src, FILE), FORMAT)
+    verify_checksums(ck, ck["params"], f"{src}/{FILE}")  # a corrupted source is an error, not a converted copy
     if not ck.get("model_config"):
         raise ValueError(f"{src}/{FILE} carries no model config (saved by an older msparallel_ds); resume it with "
                          "engine.load under the new layout instead")
@@ -101,7 +108,8 @@ def convert_checkpoint(src: str, dst: str, config: Any, *, timeout: Optional[flo
                       for name in order}
             atomic_save({"format": SHARDED_FORMAT, "params": params, "optimizer_step": ck["optimizer_step"],
                          "global_steps": ck["global_steps"], "lr_scheduler": ck["lr_scheduler"],
-                         "model_config": ck["model_config"]}, os.path.join(tmp, shard_file(0, rank)))
+                         "model_config": ck["model_config"], "checksum": "crc32", "checksums": checksums(params)},
+                        os.path.join(tmp, shard_file(0, rank)))
             del params
             if echo:
                 echo(f"  wrote {shard_file(0, rank)}")

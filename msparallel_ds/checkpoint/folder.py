@@ -34,9 +34,9 @@ def _host() -> str:
     return socket.gethostname().replace("-", "_")
 
 
-def tmp_prefix() -> str:
-    """The prefix of this process's temporary files: `.tmp-msp-HOST-PID-`."""
-    return f"{TMP_PREFIX}{_host()}-{os.getpid()}-"
+def tmp_prefix(pid: Optional[int] = None) -> str:
+    """The prefix of this process's (or `pid`'s) temporary files: `.tmp-msp-HOST-PID-`."""
+    return f"{TMP_PREFIX}{_host()}-{os.getpid() if pid is None else pid}-"
 
 
 def _alive(pid: int) -> bool:
