@@ -63,10 +63,25 @@ def _save_runs(rank, world, root):
     out["dp2xtp2"] += _steps(engine, 2, 4)
     wait_pending()
     out["bytes"] = _own_bytes(os.path.join(root, "sync"), rank)
-    engine = _engine("pp2xdp2")
-    out["pp2xdp2"] = _steps(engine, 0, 2)
-    engine.save(os.path.join(root, "pp"), sharded=True)
-    out["pp2xdp2"] += _steps(engine, 2, 4)
+    import torch
+    from safetensors.torch import load_file
+
+    from msparallel_ds.checkpoint.monitor import CheckpointSaver
+
+    engine = _engine("pp2xdp2")  # MindFormers' CheckpointMonitor: every 2 steps, keep 1, merged HF folder, async
+    saver = CheckpointSaver(engine, os.path.join(root, "run"), save_steps=2, keep_max=1, integrated_save=True,
+                            async_save=True)
+    out["pp2xdp2"] = []
+    for k in range(1, 5):
+        out["pp2xdp2"] += _steps(engine, k - 1, k)
+        if k == 2:
+            engine.save(os.path.join(root, "pp"), sharded=True)
+        saver.step(k)
+    saver.finish()
+    last = os.path.join(root, "run", "checkpoint", "step-00000004")
+    out["run"] = sorted(os.listdir(os.path.dirname(last)))
+    hf = load_file(os.path.join(last, "hf", "model.safetensors"))
+    out["hf_equal"] = all(torch.equal(hf[n], p.detach().float()) for n, p in engine.model.named_parameters())
     return out
 
 
@@ -113,6 +128,7 @@ def test_sharded_resume_equals_uninterrupted_under_any_layout(tmp_path):
     saved = run_distributed(_save_runs, 4, root, timeout=300)
     full, pp_full = saved[0]["dp2xtp2"], saved[0]["pp2xdp2"]
     assert abs(full[3] - full[2]) > 1e-3
+    assert all(r["run"] == ["step-00000004"] and r["hf_equal"] for r in saved), saved  # keep_max=1, merged = live
     total = sum(r["bytes"] for r in saved)
     assert all(0 < r["bytes"] < 0.5 * total for r in saved), [r["bytes"] for r in saved]  # each rank its share
     sync, asy, pp = (os.path.join(root, n) for n in ("sync", "async", "pp"))

@@ -21,7 +21,7 @@ import shutil
 import socket
 from typing import Optional
 
-__all__ = ["MANIFEST", "SAVE_LOCK", "TMP_PREFIX", "acquire_lock", "checkpoint_kind", "release_lock",
+__all__ = ["MANIFEST", "SAVE_LOCK", "TMP_PREFIX", "acquire_lock", "checkpoint_kind", "has_checkpoint", "release_lock",
            "remove_superseded", "sweep_stale_temps", "tmp_prefix"]
 
 MANIFEST = "msp_checkpoint.json"
@@ -119,6 +119,11 @@ def checkpoint_kind(folder: str) -> Optional[str]:
                          "current (an older msparallel_ds saved into a converted folder). Keep the one you want "
                          "(delete the other files) or save again into an empty folder. Nothing was loaded")
     return found[0][0] if found else None
+
+
+def has_checkpoint(folder: str) -> bool:
+    """Whether `folder` holds an msparallel_ds checkpoint in any format (what the Trainer's resume loads as ours)."""
+    return any(os.path.exists(os.path.join(folder, n)) for n in (MANIFEST, *_LEGACY))
 
 
 def remove_superseded(folder: str, keep: str) -> None:
