@@ -21,13 +21,17 @@ import shutil
 import socket
 from typing import Optional
 
-__all__ = ["MANIFEST", "SAVE_LOCK", "TMP_PREFIX", "acquire_lock", "checkpoint_kind", "has_checkpoint", "release_lock",
+__all__ = ["CheckpointSaveError", "MANIFEST", "SAVE_LOCK", "TMP_PREFIX", "acquire_lock", "checkpoint_kind", "has_checkpoint", "release_lock",
            "remove_superseded", "sweep_stale_temps", "tmp_prefix"]
 
 MANIFEST = "msp_checkpoint.json"
 SAVE_LOCK = ".msp-save.lock"
 TMP_PREFIX = ".tmp-msp-"
 _LEGACY = ("msp_universal.pt", "msp_sharded.json")
+
+
+class CheckpointSaveError(RuntimeError):
+    """engine.save failed (on any rank): raised on every rank with the same message; the previous file is kept."""
 
 
 def _host() -> str:
@@ -74,8 +78,6 @@ def sweep_stale_temps(folder: str) -> list[str]:
 
 def acquire_lock(folder: str) -> None:
     """Take `folder`'s save lock (creating the folder); a save in flight there is a clear error."""
-    from .format import CheckpointSaveError
-
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, SAVE_LOCK)
     for _ in range(2):

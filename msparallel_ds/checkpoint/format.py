@@ -32,6 +32,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from .folder import (CheckpointSaveError, acquire_lock, checkpoint_kind, release_lock, remove_superseded,
+                     sweep_stale_temps, tmp_prefix)
+
 if TYPE_CHECKING:
     from ..distributed.layout import ParallelLayout
 
@@ -53,8 +56,6 @@ def shard_file(pp_rank: int, tp_rank: int) -> str:
 
 def atomic_save(obj: Any, path: str) -> None:
     """torch.save to a temporary name in the same folder, then rename: readers see the old file or the new one."""
-    from .folder import sweep_stale_temps
-
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     sweep_stale_temps(folder)  # only ours, left by a killed save (never a save in flight, never a user's file)
@@ -64,8 +65,6 @@ def atomic_save(obj: Any, path: str) -> None:
 def atomic_write(path: str, write, *, suffix: str = ".pt") -> None:
     """`write(file)` into a temporary name in path's folder, fsync, then rename: readers see the old file or the
     new one, never a part."""
-    from .folder import tmp_prefix
-
     fd, tmp = tempfile.mkstemp(prefix=tmp_prefix(), suffix=suffix, dir=os.path.dirname(os.path.abspath(path)))
     try:
         with os.fdopen(fd, "wb") as f:
@@ -106,8 +105,6 @@ def check_names(names, saved, source: str, *, subset: bool = False) -> None:
 def read_for_layout(load_dir: str, layout: ParallelLayout) -> tuple[dict[str, Any], bool]:
     """The checkpoint's content for this rank and whether its tensors are already sliced for this layout (a folder
     written by convert-checkpoint) or full size (engine.save)."""
-    from .folder import checkpoint_kind
-
     index = os.path.join(load_dir, SHARDED_INDEX)
     if checkpoint_kind(load_dir) != "converted":
         return read_checkpoint_file(os.path.join(load_dir, FILE), FORMAT), False
@@ -146,10 +143,6 @@ def resume_progress(engine, ck: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- saves
-class CheckpointSaveError(RuntimeError):
-    """engine.save failed (on any rank): raised on every rank with the same message; the previous file is kept."""
-
-
 def nonfinite_tensors(params: dict) -> list[str]:
     """'name/key' of every tensor in a {name: {key: tensor}} record holding NaN or inf."""
     return [f"{name}/{k}" for name, rec in params.items() for k, t in rec.items()
@@ -178,8 +171,6 @@ def _save_failure(e: BaseException, path: str) -> str:
 
 def _locked_save(record: dict, path: str) -> None:
     """atomic_save under the folder's save lock, then remove what it supersedes (folder.remove_superseded)."""
-    from .folder import acquire_lock, release_lock, remove_superseded
-
     folder = os.path.dirname(os.path.abspath(path))
     acquire_lock(folder)
     try:
