@@ -87,3 +87,30 @@ def test_saves_into_one_folder_are_serialized_and_only_our_stale_temps_swept(tmp
     (tmp_path / SAVE_LOCK).write_text(json.dumps({"host": tmp_prefix().split("-")[2], "pid": _gone_pid()}))
     fmt.write_agreed({"format": fmt.FORMAT, "params": {}, "step": 3}, path)  # a killed save's lock is taken over
     assert fmt.read_checkpoint_file(path, fmt.FORMAT)["step"] == 3 and not (tmp_path / SAVE_LOCK).exists()
+
+
+def test_convert_to_the_sharded_format(tmp_path):
+    """convert-checkpoint SRC DST --sharded: the single file as a sharded (DCP) folder, every chunk checksummed;
+    the CLI needs exactly one of --to-config / --sharded."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    from msparallel_ds.checkpoint import format as fmt
+    from msparallel_ds.checkpoint import sharded
+    from msparallel_ds.cli import main
+
+    rec = _record(3)
+    fmt.atomic_save(rec, str(tmp_path / "src" / fmt.FILE))
+    assert main(["convert-checkpoint", str(tmp_path / "src"), str(tmp_path / "dst")]) == 2
+    assert main(["convert-checkpoint", str(tmp_path / "src"), str(tmp_path / "dst"), "--sharded"]) == 0
+    man = sharded.read_manifest(str(tmp_path / "dst"))
+    data = str(tmp_path / "dst" / man["data"])
+    md = FileSystemReader(data).read_metadata()
+    sharded._verify(data, md, man["checksums"], 0, 1, "dst")
+    back = {f"{n}/fp32": torch.empty_like(r["fp32"]) for n, r in rec["params"].items()}
+    load(back, storage_reader=FileSystemReader(data), no_dist=True)
+    assert all(torch.equal(back[f"{n}/fp32"], r["fp32"]) for n, r in rec["params"].items())
+    assert torch.load(f"{data}/progress.pt", weights_only=True)["global_steps"] == 3
+    with pytest.raises(ValueError, match="sharded checkpoint.*no conversion needed"):
+        from msparallel_ds.checkpoint.convert import convert_checkpoint
+        convert_checkpoint(str(tmp_path / "dst"), str(tmp_path / "again"), tiny_config(dp=2, tp=2))

@@ -108,17 +108,38 @@ def _flip(folder):
         f.write(bytes([b[0] ^ 0x10]))
 
 
-def _untouched_after_bad_load(rank, world, folder):
+def _one_process(rank, world, root):
+    """A corrupted chunk is an error that loads nothing; an async save dying mid-write keeps the previous one."""
     import torch
+
+    from msparallel_ds.checkpoint import sharded
 
     engine = _engine("one")
     before = [p.detach().clone() for p in engine.model.parameters()]
     try:
-        engine.load(folder)
+        engine.load(os.path.join(root, "flipped"))
         msg = "loaded"
     except ValueError as e:
         msg = str(e)
-    return msg, all(torch.equal(a, p) for a, p in zip(before, engine.model.parameters()))
+    untouched = all(torch.equal(a, p) for a, p in zip(before, engine.model.parameters()))
+    ckpt = os.path.join(root, "crash")
+    _steps(engine, 0, 1)
+    engine.save(ckpt, sharded=True)
+    _steps(engine, 1, 2)
+
+    def dies(*args):  # the data files are written, the process dies before the manifest
+        raise OSError("killed")
+    sharded._chunk_crcs, real = dies, sharded._chunk_crcs
+    engine.save(ckpt, async_save=True)
+    try:
+        sharded.wait_pending()
+        crashed = "no error"
+    except sharded.CheckpointSaveError as e:
+        crashed = str(e)
+    sharded._chunk_crcs = real
+    kept = engine.load(ckpt)["global_steps"]
+    engine.save(ckpt, sharded=True)  # the next save sweeps the dead one's data
+    return msg, untouched, crashed, kept, sorted(os.listdir(ckpt))
 
 
 def test_sharded_resume_equals_uninterrupted_under_any_layout(tmp_path):
@@ -144,5 +165,7 @@ def test_sharded_resume_equals_uninterrupted_under_any_layout(tmp_path):
     bad = str(tmp_path / "flipped")
     shutil.copytree(sync, bad)
     _flip(bad)
-    msg, untouched = run_distributed(_untouched_after_bad_load, 1, bad, timeout=120)[0]
+    msg, untouched, crashed, kept, files = run_distributed(_one_process, 1, root, timeout=120)[0]
     assert "does not match its checksum" in msg and untouched, msg
+    assert "killed" in crashed and kept == 1, (crashed, kept)
+    assert len(files) == 2 and "msp_checkpoint.json" in files, files

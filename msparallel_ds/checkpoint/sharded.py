@@ -36,7 +36,7 @@ from .folder import MANIFEST, acquire_lock, release_lock, remove_superseded, swe
 from .format import CheckpointSaveError, _save_failure, agreed, atomic_write, check_model_config, check_names
 
 __all__ = ["DCP_FORMAT", "LOAD_BUCKET_BYTES", "load_sharded", "open_sharded", "read_manifest", "save_sharded",
-           "wait_pending", "writes"]
+           "wait_pending", "write_whole", "writes"]
 
 DCP_FORMAT = "msparallel_ds.dcp/1"
 PROGRESS = "progress.pt"
@@ -203,6 +203,21 @@ def save_sharded(engine, save_dir: str, records: Iterable, *, optimizer_step: fl
     thread = threading.Thread(target=write, name="msp-async-save", daemon=True)
     thread.start()
     _PENDING.append((thread, state))
+
+
+def write_whole(params: dict, progress: dict, model_config: Optional[dict], save_dir: str) -> None:
+    """This process alone writes a full-size training state ({name: {key: tensor}}) into the empty folder
+    save_dir in the sharded format (convert-checkpoint --sharded); engine.load reshards it for any layout."""
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    name = f"dcp-{progress['global_steps']:09d}-{uuid.uuid4().hex[:8]}"
+    data = os.path.join(save_dir, name)
+    save({f"{n}/{k}": t for n, rec in params.items() for k, t in rec.items()}, storage_writer=FileSystemWriter(data),
+         no_dist=True)
+    torch.save(progress, os.path.join(data, PROGRESS))
+    record = {"format": DCP_FORMAT, "data": name, "checksum": "crc32", "model_config": model_config,
+              "global_steps": progress["global_steps"], "world_size": 1, "checksums": _chunk_crcs(data, 0)}
+    atomic_write(os.path.join(save_dir, MANIFEST), lambda f: f.write(json.dumps(record).encode()), suffix=".json")
 
 
 # ---------------------------------------------------------------------------------------------- load
