@@ -8,10 +8,11 @@ exp_avg_sq), FULL size: ZeRO partitions are gathered over dp x cp and tensor-par
 spec, msparallel_ds.tensor_parallel.spec). Plus the optimizer step, the engine's step count, the lr scheduler state
 and the HF model config. Loading slices the same tensors for the new layout's tp rank, so the continued run takes
 exactly the steps the uninterrupted one would have. Rank 0 holds the full state while saving; meant for models that
-fit in one host's memory (resharding a 70B run would stream per parameter instead).
+fit in one host's memory: engine.save(dir, sharded=True) (checkpoint.sharded) has every rank write only its chunks.
 
-The file is written under a temporary name and renamed into place, so a run killed while saving leaves the
-previous checkpoint intact (its stale `.tmp-*.pt` is removed by the next save into that folder); a missing,
+The file is written under a temporary name and renamed into place, under the folder's save lock, so a run killed
+while saving leaves the previous checkpoint intact (its stale `.tmp-msp-HOST-PID-*` is removed by the next save
+into that folder, checkpoint.folder); a save removes the checkpoints it supersedes there; a missing,
 truncated or foreign file is one clear error. Saves are agreed on by every rank (write_agreed): rank 0 refuses
 non-finite state and reports any failure (disk full: "no space left on device writing PATH") to all ranks, which
 raise the same CheckpointSaveError instead of waiting in a barrier. Every tensor's crc32 is stored at save time and
