@@ -114,6 +114,7 @@ def _one_process(rank, world, root):
 
     from msparallel_ds.checkpoint import sharded
 
+    resumed = _resume(rank, world, [("one", "one", os.path.join(root, "async"))])
     engine = _engine("one")
     before = [p.detach().clone() for p in engine.model.parameters()]
     try:
@@ -139,7 +140,7 @@ def _one_process(rank, world, root):
     sharded._chunk_crcs = real
     kept = engine.load(ckpt)["global_steps"]
     engine.save(ckpt, sharded=True)  # the next save sweeps the dead one's data
-    return msg, untouched, crashed, kept, sorted(os.listdir(ckpt))
+    return resumed, msg, untouched, crashed, kept, sorted(os.listdir(ckpt))
 
 
 def test_sharded_resume_equals_uninterrupted_under_any_layout(tmp_path):
@@ -156,16 +157,16 @@ def test_sharded_resume_equals_uninterrupted_under_any_layout(tmp_path):
     runs = [("tp2xcp2", "tp2xcp2", sync), ("dp2xtp2_zero2 from async", "dp2xtp2_zero2", asy),
             ("tp4_sp", "tp4_sp", sync), ("pp2xdp2", "pp2xdp2", sync), ("dp2xtp2 from pp", "dp2xtp2", pp)]
     resumed = run_distributed(_resume, 4, runs, timeout=300)[0]
-    resumed.update(run_distributed(_resume, 1, [("one", "one", asy)], timeout=120)[0])
+    bad = str(tmp_path / "flipped")
+    shutil.copytree(sync, bad)
+    _flip(bad)
+    one, msg, untouched, crashed, kept, files = run_distributed(_one_process, 1, root, timeout=120)[0]
+    resumed.update(one)
     for name, (losses, info) in resumed.items():
         assert info["global_steps"] == 2 and info["optimizer_step"] == 2, (name, info)
         want = pp_full if name == "dp2xtp2 from pp" else full
         tol = 1e-4 if name in ("pp2xdp2", "dp2xtp2 from pp") else 1e-5  # another engine's summation order
         assert max(abs(a - b) / b for a, b in zip(losses, want[2:])) <= tol, (name, losses, want)
-    bad = str(tmp_path / "flipped")
-    shutil.copytree(sync, bad)
-    _flip(bad)
-    msg, untouched, crashed, kept, files = run_distributed(_one_process, 1, root, timeout=120)[0]
     assert "does not match its checksum" in msg and untouched, msg
     assert "killed" in crashed and kept == 1, (crashed, kept)
     assert len(files) == 2 and "msp_checkpoint.json" in files, files
