@@ -41,7 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert-checkpoint", help="slice an engine.save checkpoint for another YAML's layout, offline")
     c.add_argument("src", help="folder written by engine.save")
     c.add_argument("dst", help="new folder for the converted checkpoint")
-    c.add_argument("--to-config", required=True, help="MindFormers YAML of the run that will load it")
+    c.add_argument("--to-config", default=None, help="MindFormers YAML of the run that will load it")
+    c.add_argument("--sharded", action="store_true", help="write the sharded format instead (engine.save(dir, "
+                                                          "sharded=True); loads under any layout, no --to-config)")
     c.add_argument("--timeout", type=float, default=600)
     i = sub.add_parser("import-mindspore", help="MindSpore / MindFormers weights (.ckpt, .safetensors, per-rank "
                                                 "slices) -> a HF folder, or an engine.load checkpoint for a layout")
@@ -183,6 +185,19 @@ def _cmd_convert(args) -> int:
     if not _positive_seconds(args.timeout):
         print(f"error: --timeout {args.timeout} must be a positive number of seconds (default 600)", file=sys.stderr)
         return 2
+    if bool(args.sharded) == bool(args.to_config):
+        print("error: convert-checkpoint needs exactly one of --to-config NEW.yaml (pre-slice for that layout) or "
+              "--sharded (the layout-independent sharded format)", file=sys.stderr)
+        return 2
+    if args.sharded:
+        from .checkpoint.convert import convert_to_sharded
+
+        try:
+            man = convert_to_sharded(args.src, args.dst)
+        except (OSError, ValueError, RuntimeError) as exc:
+            return _user_error(exc)
+        print(f"converted {args.src} -> {args.dst} (sharded, {len(man['checksums'])} chunks; loads under any layout)")
+        return 0
     try:
         index = convert_checkpoint(args.src, args.dst, args.to_config, timeout=args.timeout,
                                    echo=lambda line: print(line, flush=True))

@@ -10,6 +10,17 @@ from engine_cases import tiny_config, tiny_model
 from harness import run_distributed
 
 
+def _killed_save_temp(folder):
+    """The temporary file a save killed mid-write leaves (its process is gone): ours to sweep (issue 41, H4)."""
+    import subprocess
+    import sys
+
+    from msparallel_ds.checkpoint.folder import tmp_prefix
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return os.path.join(folder, f"{tmp_prefix(int(gone.stdout))}killed.pt")
+
+
 # ------------------------------------------------------------------------------------------ in the pytest process
 def test_stale_temp_file_is_removed_and_disk_full_is_named(tmp_path, monkeypatch):
     import torch
@@ -17,7 +28,7 @@ def test_stale_temp_file_is_removed_and_disk_full_is_named(tmp_path, monkeypatch
     from msparallel_ds.checkpoint import format as fmt
 
     path = str(tmp_path / fmt.FILE)
-    (tmp_path / ".tmp-killed.pt").write_bytes(b"x" * 1000)  # a save killed by SIGTERM
+    open(_killed_save_temp(str(tmp_path)), "wb").write(b"x" * 1000)  # a save killed by SIGTERM
     fmt.atomic_save({"format": fmt.FORMAT, "step": 1}, path)
     assert os.listdir(tmp_path) == [fmt.FILE]
 
@@ -198,7 +209,7 @@ def _pipeline(rank, world, root):
     ckpt = os.path.join(root, "pp")
     engine.save(ckpt)
     if rank == 0:  # disk full on rank 0 only: every rank gets the error, none waits in a barrier
-        open(os.path.join(ckpt, ".tmp-killed.pt"), "wb").write(b"x" * 100)
+        open(_killed_save_temp(ckpt), "wb").write(b"x" * 100)
 
         def full(obj, path):
             raise RuntimeError("enforce fail at inline_container.cc:672") from OSError(errno.ENOSPC, "No space")

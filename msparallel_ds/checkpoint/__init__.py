@@ -7,8 +7,13 @@
 - pipeline:    save / load for the pipeline engine
 - hf:          plain HF safetensors checkpoints out of / into a tp-parallel model (save_pretrained, from_pretrained)
 - convert:     convert-checkpoint, pre-slicing a checkpoint for another layout in one process
+- folder:      which checkpoint in a folder is current, the save lock, what a save supersedes
+- sharded:     sharded save / load on torch.distributed.checkpoint (each rank its chunks; async saves)
+- merged:      a merged weights-only HF safetensors folder out of a sharded checkpoint, in bounded files
+- monitor:     CheckpointSaver, MindFormers' CheckpointMonitor semantics for the train runner
 
-Modules depend one way (format, optim_state <- reshard <- zero, pipeline, hf; format <- convert). Names are
+Modules depend one way (folder <- format, optim_state <- reshard, sharded <- zero, pipeline, hf; format <- convert;
+sharded <- merged <- monitor). Names are
 re-exported lazily so `import msparallel_ds.checkpoint` stays light (no torch.distributed, DeepSpeed or HF).
 """
 from __future__ import annotations
@@ -26,6 +31,9 @@ _LAZY = {
     "build_on_meta": "hf", "clean_saved_config": "hf", "from_pretrained": "hf", "load_sharded_checkpoint": "hf",
     "save_pretrained": "hf", "zero3_gathered": "hf",
     "convert_checkpoint": "convert",
+    "MANIFEST": "folder", "checkpoint_kind": "folder", "has_checkpoint": "folder",
+    "load_sharded": "sharded", "open_sharded": "sharded", "save_sharded": "sharded", "wait_pending": "sharded",
+    "export_merged": "merged", "CheckpointSaver": "monitor",
 }
 
 __all__ = sorted(_LAZY)

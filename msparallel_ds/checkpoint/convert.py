@@ -17,9 +17,10 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .format import FILE, FORMAT, SHARDED_FORMAT, SHARDED_INDEX, atomic_save, read_checkpoint_file, shard_file
+from .format import (FILE, FORMAT, SHARDED_FORMAT, SHARDED_INDEX, atomic_save, checksums, read_checkpoint_file,
+                     shard_file, verify_checksums)
 
-__all__ = ["convert_checkpoint", "target_spec"]
+__all__ = ["convert_checkpoint", "convert_to_sharded", "target_spec"]
 
 
 def _adapter(model_config: dict[str, Any], need: bool):
@@ -75,7 +76,13 @@ def convert_checkpoint(src: str, dst: str, config: Any, *, timeout: Optional[flo
 
     cfg = config if isinstance(config, ParallelConfig) else load_config(config)
     plan = make_plan(cfg)
+    from .folder import checkpoint_kind
+
+    if checkpoint_kind(src) == "sharded":
+        raise ValueError(f"{src} is a sharded checkpoint (engine.save(dir, sharded=True)): it loads under any layout "
+                         "as it is (engine.load reshards), no conversion needed")
     ck = read_checkpoint_file(os.path.join(src, FILE), FORMAT)
+    verify_checksums(ck, ck["params"], f"{src}/{FILE}")  # a corrupted source is an error, not a converted copy
     if not ck.get("model_config"):
         raise ValueError(f"{src}/{FILE} carries no model config (saved by an older msparallel_ds); resume it with "
                          "engine.load under the new layout instead")
@@ -101,7 +108,8 @@ def convert_checkpoint(src: str, dst: str, config: Any, *, timeout: Optional[flo
                       for name in order}
             atomic_save({"format": SHARDED_FORMAT, "params": params, "optimizer_step": ck["optimizer_step"],
                          "global_steps": ck["global_steps"], "lr_scheduler": ck["lr_scheduler"],
-                         "model_config": ck["model_config"]}, os.path.join(tmp, shard_file(0, rank)))
+                         "model_config": ck["model_config"], "checksum": "crc32", "checksums": checksums(params)},
+                        os.path.join(tmp, shard_file(0, rank)))
             del params
             if echo:
                 echo(f"  wrote {shard_file(0, rank)}")
@@ -118,3 +126,30 @@ def convert_checkpoint(src: str, dst: str, config: Any, *, timeout: Optional[flo
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return index
+
+
+def convert_to_sharded(src: str, dst: str) -> dict[str, Any]:
+    """engine.save's single file (msp_universal.pt) in `src` -> the sharded format (checkpoint.sharded) in the new
+    folder `dst`, in this one process: layout-independent too, and every rank of a later run reads only its chunks.
+    Returns the manifest written."""
+    from .folder import MANIFEST
+    from .sharded import read_manifest, write_whole
+
+    ck = read_checkpoint_file(os.path.join(src, FILE), FORMAT)
+    verify_checksums(ck, ck["params"], f"{src}/{FILE}")
+    dst_path = Path(dst)
+    if dst_path.exists() and any(dst_path.iterdir()):
+        raise FileExistsError(f"{dst} exists and is not empty; convert-checkpoint writes a new folder")
+    tmp = f"{dst_path.as_posix().rstrip('/')}.tmp-{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    try:
+        progress = {k: ck[k] for k in ("optimizer_step", "global_steps", "lr_scheduler")}
+        write_whole(ck["params"], progress, ck.get("model_config"), tmp)
+        if dst_path.exists():
+            dst_path.rmdir()
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    assert os.path.exists(os.path.join(dst, MANIFEST))
+    return read_manifest(dst)

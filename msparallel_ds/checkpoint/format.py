@@ -8,10 +8,11 @@ exp_avg_sq), FULL size: ZeRO partitions are gathered over dp x cp and tensor-par
 spec, msparallel_ds.tensor_parallel.spec). Plus the optimizer step, the engine's step count, the lr scheduler state
 and the HF model config. Loading slices the same tensors for the new layout's tp rank, so the continued run takes
 exactly the steps the uninterrupted one would have. Rank 0 holds the full state while saving; meant for models that
-fit in one host's memory (resharding a 70B run would stream per parameter instead).
+fit in one host's memory: engine.save(dir, sharded=True) (checkpoint.sharded) has every rank write only its chunks.
 
-The file is written under a temporary name and renamed into place, so a run killed while saving leaves the
-previous checkpoint intact (its stale `.tmp-*.pt` is removed by the next save into that folder); a missing,
+The file is written under a temporary name and renamed into place, under the folder's save lock, so a run killed
+while saving leaves the previous checkpoint intact (its stale `.tmp-msp-HOST-PID-*` is removed by the next save
+into that folder, checkpoint.folder); a save removes the checkpoints it supersedes there; a missing,
 truncated or foreign file is one clear error. Saves are agreed on by every rank (write_agreed): rank 0 refuses
 non-finite state and reports any failure (disk full: "no space left on device writing PATH") to all ranks, which
 raise the same CheckpointSaveError instead of waiting in a barrier. Every tensor's crc32 is stored at save time and
@@ -23,7 +24,6 @@ index SHARDED_INDEX, and engine.load reads only its own file.
 from __future__ import annotations
 
 import errno
-import glob
 import json
 import os
 import tempfile
@@ -32,6 +32,9 @@ import zlib
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+
+from .folder import (CheckpointSaveError, acquire_lock, checkpoint_kind, release_lock, remove_superseded,
+                     sweep_stale_temps, tmp_prefix)
 
 if TYPE_CHECKING:
     from ..distributed.layout import ParallelLayout
@@ -56,18 +59,14 @@ def atomic_save(obj: Any, path: str) -> None:
     """torch.save to a temporary name in the same folder, then rename: readers see the old file or the new one."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    for stale in glob.glob(os.path.join(glob.escape(folder), ".tmp-*.pt")):  # left by a save killed mid-write
-        try:
-            os.remove(stale)
-        except OSError:
-            pass
+    sweep_stale_temps(folder)  # only ours, left by a killed save (never a save in flight, never a user's file)
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def atomic_write(path: str, write, *, suffix: str = ".pt") -> None:
     """`write(file)` into a temporary name in path's folder, fsync, then rename: readers see the old file or the
     new one, never a part."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=os.path.dirname(os.path.abspath(path)))
+    fd, tmp = tempfile.mkstemp(prefix=tmp_prefix(), suffix=suffix, dir=os.path.dirname(os.path.abspath(path)))
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -108,7 +107,7 @@ def read_for_layout(load_dir: str, layout: ParallelLayout) -> tuple[dict[str, An
     """The checkpoint's content for this rank and whether its tensors are already sliced for this layout (a folder
     written by convert-checkpoint) or full size (engine.save)."""
     index = os.path.join(load_dir, SHARDED_INDEX)
-    if not os.path.exists(index):
+    if checkpoint_kind(load_dir) != "converted":
         return read_checkpoint_file(os.path.join(load_dir, FILE), FORMAT), False
     with open(index) as f:
         meta = json.load(f)
@@ -145,10 +144,6 @@ def resume_progress(engine, ck: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- saves
-class CheckpointSaveError(RuntimeError):
-    """engine.save failed (on any rank): raised on every rank with the same message; the previous file is kept."""
-
-
 def nonfinite_tensors(params: dict) -> list[str]:
     """'name/key' of every tensor in a {name: {key: tensor}} record holding NaN or inf."""
     return [f"{name}/{k}" for name, rec in params.items() for k, t in rec.items()
@@ -175,6 +170,17 @@ def _save_failure(e: BaseException, path: str) -> str:
             "checkpoint there is kept")
 
 
+def _locked_save(record: dict, path: str) -> None:
+    """atomic_save under the folder's save lock, then remove what it supersedes (folder.remove_superseded)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    acquire_lock(folder)
+    try:
+        atomic_save(record, path)
+        remove_superseded(folder, keep=os.path.basename(path))
+    finally:
+        release_lock(folder)
+
+
 def write_agreed(record: Optional[dict], path: str, device=None) -> None:
     """Every rank calls; global rank 0 passes the record and writes it (refusing non-finite tensors), the others
     None. The outcome is broadcast, so a failure on rank 0 is the same CheckpointSaveError on every rank (no rank
@@ -190,7 +196,7 @@ def write_agreed(record: Optional[dict], path: str, device=None) -> None:
                     f"engine.save: refusing to write non-finite training state to {path}: {len(bad)} tensors hold "
                     f"NaN/inf (first: {bad[:3]}); the previous checkpoint there is kept. Training diverged: lower "
                     "the learning rate or check the data, and resume from the kept checkpoint with engine.load")
-            atomic_save(record, path)
+            _locked_save(record, path)
         except Exception as e:  # reported to every rank below
             message, cause = _save_failure(e, path), e
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -40,9 +40,31 @@ def _has_state(engine) -> bool:
     return bool(flag.item())
 
 
-def save_pipeline_checkpoint(engine, save_dir: str) -> None:
-    """Every rank calls; global rank 0 writes save_dir/FILE."""
+def _sharded_records(engine, base, zero, keys):
+    """(name, Shard, {key: tp-local tensor}) of the chunks this rank writes: with ZeRO-1 the owner of a parameter's
+    optimizer state writes it (checkpoint.sharded.writes), no collective needed."""
+    from .sharded import writes
+
+    for i, (name, p) in enumerate(engine.model.named_parameters()):
+        shard = engine.spec.get(name)
+        if writes(engine.layout, shard, i, zero._param_to_rank[p] if zero is not None else None):
+            state = base.state.get(p, {})
+            yield name, shard, {"fp32": p.detach().float(), **{k: state[k] for k in keys if k in state}}
+
+
+def save_pipeline_checkpoint(engine, save_dir: str, *, sharded: bool = False, async_save: bool = False) -> None:
+    """Every rank calls; global rank 0 writes save_dir/FILE, or (sharded) every rank its chunks (checkpoint.sharded)."""
     layout, opt, spec = engine.layout, engine.optimizer, engine.spec
+    if sharded or async_save:
+        from .sharded import save_sharded
+
+        base, zero = _base(opt), _zero(opt)
+        steps = [float(s["step"]) for s in base.state.values() if "step" in s]
+        step = torch.tensor(max(steps) if steps else 0.0, device=engine.device)
+        dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a ZeRO-1 rank may own no parameter of its stage
+        save_sharded(engine, save_dir, _sharded_records(engine, base, zero, optimizer_keys(base)),
+                     optimizer_step=float(step.item()), model=engine._hf, async_save=async_save)
+        return
     base, zero = _base(opt), _zero(opt)
     keys = optimizer_keys(base)
     stateful = _has_state(engine)
@@ -71,8 +93,12 @@ def save_pipeline_checkpoint(engine, save_dir: str) -> None:
 
 def load_pipeline_checkpoint(engine, load_dir: str) -> dict[str, Any]:
     """Resume this rank's stages from engine.save's file or a convert-checkpoint folder; every rank calls."""
+    from .folder import checkpoint_kind
+
     layout, base = engine.layout, _base(engine.optimizer)
     what = f"engine.load({load_dir!r})"
+    if agreed(lambda: checkpoint_kind(load_dir), what) == "sharded":
+        return _load_sharded(engine, load_dir)
     ck, sliced = agreed(lambda: read_for_layout(load_dir, layout), what)  # engine.save's file or a converted one
     spec, keys = engine.spec, optimizer_keys(base)
     parts = agreed(lambda: validated_parts(ck, engine.model, engine._hf, spec, layout, sliced, load_dir,
@@ -87,3 +113,28 @@ def load_pipeline_checkpoint(engine, load_dir: str) -> dict[str, Any]:
                     if k in rec:
                         base.state[p][k].copy_(rec[k])
     return resume_progress(engine, ck)
+
+
+def _load_sharded(engine, load_dir: str) -> dict[str, Any]:
+    """Resume this rank's stages from a sharded (DCP) save: the weights everywhere, the Adam moments where this
+    rank holds the optimizer state (ZeRO-1: its own parameters)."""
+    from .sharded import load_sharded, open_sharded
+
+    base = _base(engine.optimizer)
+    keys = optimizer_keys(base)
+    owned = {p for g in base.param_groups for p in g["params"]}
+    named = dict(engine.model.named_parameters())
+    wanted = [(n, tuple(p.shape), engine.spec.get(n), ("fp32",) + (keys if p in owned else ()))
+              for n, p in named.items()]
+    plan = open_sharded(engine, load_dir, wanted, engine._hf, subset=True)
+    ensure_adam_state(base, keys, plan["progress"]["optimizer_step"])
+
+    @torch.no_grad()
+    def apply(name, rec):
+        p = named[name]
+        p.copy_(rec["fp32"].to(p.dtype))
+        for k in keys:
+            if k in rec:
+                base.state[p][k].copy_(rec[k])
+
+    return resume_progress(engine, load_sharded(engine, plan, apply))

@@ -59,11 +59,51 @@ def _set_frozen(p, value: Tensor, stage: int) -> None:
         p.copy_(value.to(p.dtype))
 
 
-def save_checkpoint(engine, save_dir: str) -> None:
-    """Every rank calls; global rank 0 writes save_dir/FILE."""
+def _sharded_records(engine, stage, opt, keys):
+    """(name, Shard, {key: tp-local tensor}) of the chunks this rank writes (checkpoint.sharded.writes); at ZeRO 1/2
+    every dp rank rebuilds each parameter's tensors in turn (a dp all-reduce of that parameter) and only the
+    writer keeps them."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    from .sharded import writes
+
+    for i, (name, p) in enumerate(engine.model.named_parameters()):
+        shard, mine = engine.spec.get(name), writes(engine.layout, engine.spec.get(name), i)
+        if not p.requires_grad:  # frozen (pet_config LoRA): the module weight is the value
+            rec = {"fp32": _frozen(p, stage)} if mine or stage == 3 else None
+        elif stage == 0:
+            state = opt.state.get(p, {})
+            rec = {"fp32": p.detach().float(), **{k: state[k] for k in keys if k in state}} if mine else None
+        else:
+            rec = {"fp32": safe_get_full_fp32_param(p)}
+            for k in keys if opt.state else ():  # no Adam state before the first step
+                value = safe_get_full_optimizer_state(p, k)
+                if value is not None:
+                    rec[k] = value
+        if mine:
+            yield name, shard, rec
+
+
+def _optimizer_step(opt) -> float:
+    steps = [s["step"] for s in opt.state.values() if "step" in s]
+    return float(max(steps)) if steps else 0.0
+
+
+def save_checkpoint(engine, save_dir: str, *, sharded: bool = False, async_save: bool = False) -> None:
+    """Every rank calls; global rank 0 writes save_dir/FILE, or (sharded) every rank its chunks (checkpoint.sharded)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     stage, layout, spec = _check_stage(engine), engine.layout, engine.spec
+    if sharded or async_save:
+        from .sharded import save_sharded
+
+        opt = _inner_optimizer(engine)
+        keys = optimizer_keys(opt)
+        if stage > 0 and opt.state:
+            _link_optimizer_state(engine)
+        save_sharded(engine, save_dir, _sharded_records(engine, stage, opt, keys), optimizer_step=_optimizer_step(opt),
+                     model=engine.model, async_save=async_save)
+        return
     opt = _inner_optimizer(engine)
     keys = optimizer_keys(opt)
     rank0 = layout.global_rank == 0
@@ -85,10 +125,7 @@ def save_checkpoint(engine, save_dir: str) -> None:
         rec = {k: gather(v, spec.get(name), layout) for k, v in rec.items()}
         if rank0:
             params[name] = {k: v.detach().to("cpu", copy=True) for k, v in rec.items()}
-    record = None
-    if rank0:
-        steps = [s["step"] for s in opt.state.values() if "step" in s]
-        record = record_for(engine, params, float(max(steps)) if steps else 0.0, engine.model)
+    record = record_for(engine, params, _optimizer_step(opt), engine.model) if rank0 else None
     write_agreed(record, os.path.join(save_dir, FILE), engine.ds.device)  # every rank learns whether it was written
 
 
@@ -112,8 +149,10 @@ def validated_parts(ck: dict, view, hf_model, spec, layout, sliced: bool, source
 def load_checkpoint(engine, load_dir: str) -> dict[str, Any]:
     """Resume from engine.save's file (any layout) or a convert-checkpoint folder for this layout; every rank
     calls. Returns the saved global_steps and optimizer_step."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    from .folder import checkpoint_kind
 
+    if agreed(lambda: checkpoint_kind(load_dir), f"engine.load({load_dir!r})") == "sharded":
+        return _load_sharded(engine, load_dir)
     layout, what = engine.layout, f"engine.load({load_dir!r})"
     ck, sliced = agreed(lambda: read_for_layout(load_dir, layout), what)  # a bad folder: an error on every rank
     stage, spec = _check_stage(engine), engine.spec
@@ -123,20 +162,43 @@ def load_checkpoint(engine, load_dir: str) -> dict[str, Any]:
     ensure_adam_state(opt, keys, ck["optimizer_step"])
     if stage > 0:  # DeepSpeed would link each parameter to its slice of the flat Adam state at the first step; now
         _link_optimizer_state(engine)
-    with torch.no_grad():
-        for name, p in engine.model.named_parameters():
-            rec = parts[name]
-            if not p.requires_grad:  # frozen: only the module weight (ZeRO-3: gathered, set, partitioned again)
-                _set_frozen(p, rec["fp32"], stage)
-                continue
-            p.copy_(rec["fp32"].to(p.dtype))  # the module weight (ZeRO 1/2 keep it whole on every dp rank)
-            if stage == 0:
-                for k in keys:
-                    if k in rec:
-                        opt.state[p][k].copy_(rec[k])
-            else:
-                safe_set_full_fp32_param(p, rec["fp32"].to(p.device))
-                for k in keys:
-                    if k in rec:
-                        safe_set_full_optimizer_state(p, rec[k].to(p.device), k)
+    named = dict(engine.model.named_parameters())
+    for name in named:
+        _apply(engine, stage, opt, keys, named[name], parts[name])
     return resume_progress(engine, ck)
+
+
+@torch.no_grad()
+def _apply(engine, stage, opt, keys, p, rec) -> None:
+    """Load one parameter's tp-local record into the module weight and the (ZeRO-partitioned) optimizer state."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    if not p.requires_grad:  # frozen (LoRA's base): only the module weight (ZeRO-3: gathered, set, partitioned again)
+        _set_frozen(p, rec["fp32"], stage)
+        return
+    p.copy_(rec["fp32"].to(p.dtype))  # the module weight (ZeRO 1/2 keep it whole on every dp rank)
+    if stage == 0:
+        for k in keys:
+            if k in rec:
+                opt.state[p][k].copy_(rec[k])
+    else:
+        safe_set_full_fp32_param(p, rec["fp32"].to(p.device))
+        for k in keys:
+            if k in rec:
+                safe_set_full_optimizer_state(p, rec[k].to(p.device), k)
+
+
+def _load_sharded(engine, load_dir: str) -> dict[str, Any]:
+    """Resume from a sharded (DCP) save: checks on every rank, then this rank's chunks under this layout."""
+    from .sharded import load_sharded, open_sharded
+
+    stage, opt = _check_stage(engine), _inner_optimizer(engine)
+    keys = optimizer_keys(opt)
+    named = dict(engine.model.named_parameters())
+    wanted = [(n, tuple(p.shape), engine.spec.get(n), ("fp32",) + keys) for n, p in named.items()]
+    plan = open_sharded(engine, load_dir, wanted, engine.model)
+    ensure_adam_state(opt, keys, plan["progress"]["optimizer_step"])
+    if stage > 0:
+        _link_optimizer_state(engine)
+    progress = load_sharded(engine, plan, lambda name, rec: _apply(engine, stage, opt, keys, named[name], rec))
+    return resume_progress(engine, progress)

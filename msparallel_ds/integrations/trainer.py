@@ -206,13 +206,13 @@ class MindFormersTrainer(Trainer):
         """Trainer.train; a checkpoint with msp_universal.pt resumes under any layout (see the module docstring)."""
         import transformers.trainer as hf_trainer
 
-        from ..checkpoint.format import FILE
+        from ..checkpoint.folder import has_checkpoint
         from ..checkpoint.zero import load_checkpoint
 
         deepspeed_load = hf_trainer.deepspeed_load_checkpoint
 
         def load(engine, path, **load_kwargs):
-            if os.path.exists(os.path.join(path, FILE)):
+            if has_checkpoint(path):  # ours in any format (msp_universal.pt, sharded, converted)
                 load_checkpoint(self._checkpoint_view(), path)
             else:
                 deepspeed_load(engine, path, **load_kwargs)

@@ -265,11 +265,12 @@ class PipelineEngine:
             clean_saved_config(save_dir, total)
         dist.barrier()
 
-    def save(self, save_dir: str) -> None:
-        """The layout-independent checkpoint of msparallel_ds.checkpoint (loads under any layout)."""
+    def save(self, save_dir: str, *, sharded: bool = False, async_save: bool = False) -> None:
+        """The layout-independent checkpoint of msparallel_ds.checkpoint (loads under any layout); sharded /
+        async_save as engine.Engine.save."""
         from ..checkpoint.pipeline import save_pipeline_checkpoint
 
-        save_pipeline_checkpoint(self, save_dir)
+        save_pipeline_checkpoint(self, save_dir, sharded=sharded, async_save=async_save)
 
     def load(self, load_dir: str) -> dict:
         from ..checkpoint.pipeline import load_pipeline_checkpoint
