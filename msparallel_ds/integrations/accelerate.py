@@ -389,6 +389,7 @@ class MindFormersAccelerator(Accelerator):
         from torch.optim.lr_scheduler import LRScheduler
 
         from .. import runtime
+        from ..optim.scheduler import MindFormersLR
         from ..pet import require_lora
         from ..strategy import parallelize, prepare_user_loop
 
@@ -413,8 +414,6 @@ class MindFormersAccelerator(Accelerator):
         moe = deepspeed_moe(models[0], self.layout, optimizer) if models and optimizer is not None else nullcontext()
         with moe, _deepspeed_initialize_with(self.layout.mpu()):  # experts reduced over their expert-dp group
             result = super()._prepare_deepspeed(*args)
-        from ..optim.scheduler import MindFormersLR
-
         for obj in result:
             if type(obj) is AcceleratedScheduler:
                 obj.__class__ = _DataParallelScheduler
