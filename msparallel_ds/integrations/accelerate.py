@@ -29,9 +29,9 @@ What it does, and why:
   is. DeepSpeed gets our process groups (`layout.mpu()`) and always a torch optimizer.
 - `prepare(model, optimizer, ...)`: the model is parallelized in place (msp.parallelize: TP/SP/vocab parallel, CP
   attention, recompute, all from the YAML). An optimizer built on the unsharded model is re-pointed IN PLACE to the
-  sharded parameters, by parameter name: same object, class, param groups and hyperparameters, so a scheduler built
-  on it stays valid. It must not have state yet; `yaml_optimizer(model)` / `yaml_lr_scheduler(opt, total_steps)`
-  build the YAML's (msp.build_optimizer / msp.build_lr_scheduler, the latter stepped once per optimizer step).
+  sharded parameters, by parameter name: same object, class, param groups and hyperparameters, so a scheduler built on
+  it stays valid. It must not have state yet; `yaml_optimizer(model)` / `yaml_lr_scheduler(opt, total_steps)`:
+  msp.build_optimizer / msp.build_lr_scheduler (stepped once per optimizer step).
 - Data: dataloaders are split over the data-parallel ranks only (num_processes = dp, process_index = dp rank):
   the tp and cp peers of a dp rank see the same samples. An LR scheduler left to accelerate steps dp times per
   optimizer step (accelerate's rule, with dp replicas instead of processes). With cp > 1 every forward shards
