@@ -62,6 +62,7 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import InitProcessGroupKwargs
 from torch import nn
 
+from .. import optim as msp_optim
 from ..distributed.collectives import sum_over
 from ..labels import IGNORE_INDEX
 from .config import CONFIG_ENV, refuse_pipeline, resolve_config
@@ -285,15 +286,11 @@ class MindFormersAccelerator(Accelerator):
     # ------------------------------------------------------------------------------------------ helpers
     def yaml_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """msp.build_optimizer(model, YAML) on the unsharded model (prepare() re-points it to the shards)."""
-        from ..optim import build_optimizer
-
-        return build_optimizer(model, self.msp_config)
+        return msp_optim.build_optimizer(model, self.msp_config)
 
     def yaml_lr_scheduler(self, optimizer, total_steps: Optional[int] = None):
         """msp.build_lr_scheduler (None without an lr_schedule); prepare() steps it once per optimizer step."""
-        from ..optim import build_lr_scheduler
-
-        return build_lr_scheduler(optimizer, self.msp_config, total_steps)
+        return msp_optim.build_lr_scheduler(optimizer, self.msp_config, total_steps)
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss` (this rank's micro-batch mean, as model(**batch).loss returns it) averaged over the dp replicas:
@@ -389,7 +386,6 @@ class MindFormersAccelerator(Accelerator):
         from torch.optim.lr_scheduler import LRScheduler
 
         from .. import runtime
-        from ..optim.scheduler import MindFormersLR
         from ..pet import require_lora
         from ..strategy import parallelize, prepare_user_loop
 
@@ -417,5 +413,5 @@ class MindFormersAccelerator(Accelerator):
         for obj in result:
             if type(obj) is AcceleratedScheduler:
                 obj.__class__ = _DataParallelScheduler
-                obj.data_parallel_size = 1 if isinstance(obj.scheduler, MindFormersLR) else self.layout.size("dp")
+                obj.data_parallel_size = 1 if isinstance(obj.scheduler, msp_optim.MindFormersLR) else self.layout.size("dp")
         return result
