@@ -13,15 +13,16 @@ from torch import nn
 
 from .base import DecoderAdapter, InterleavedLayers, LayerParts
 from .deepseek import DeepseekV3Family
+from .glm import GlmFamily
 from .llama import LlamaFamily
 from .moe import MoEFamily
 from .stage import StageModule
 
-__all__ = ["ADAPTERS", "DecoderAdapter", "DeepseekV3Family", "InterleavedLayers", "LayerParts", "MoEFamily",
+__all__ = ["ADAPTERS", "DecoderAdapter", "DeepseekV3Family", "GlmFamily", "InterleavedLayers", "LayerParts", "MoEFamily",
            "StageModule",
            "SUPPORTED_ARCHITECTURES", "adapter_for", "adapter_for_config"]
 
-ADAPTERS: tuple[DecoderAdapter, ...] = (LlamaFamily(), MoEFamily(), DeepseekV3Family())
+ADAPTERS: tuple[DecoderAdapter, ...] = (LlamaFamily(), MoEFamily(), DeepseekV3Family(), GlmFamily())
 SUPPORTED_ARCHITECTURES = tuple(a for adapter in ADAPTERS for a in adapter.architectures)
 
 

@@ -11,6 +11,8 @@ styles, never a model's module names:
 |--------------------------------|--------------------------------------------------------------------------------|
 | colwise                        | nn.Linear -> ColumnParallelLinear (output features split, stays split)         |
 | rowwise                        | nn.Linear -> RowParallelLinear (input is a column layer's split output)        |
+| colwise_halves                 | colwise on a fused [gate; up] output: each half split (GLM's gate_up_proj)     |
+| conv1d_colwise(_qkv), _rowwise | HF Conv1D (GPT-2) column / row parallel; _qkv: each third of c_attn split      |
 | colwise_gathered               | colwise whose input its block already gathered (SP) or copied (copy_input):    |
 |                                | no input collective here (MLA's up projections after replicated down ones)     |
 | colwise_kv_replicated          | key/value projection when tp > kv heads: each rank keeps the kv head its query |
@@ -47,7 +49,8 @@ from torch import Tensor, nn
 
 from ..labels import IGNORE_INDEX
 from ..models import DecoderAdapter, adapter_for
-from .layers import ColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear
+from .conv1d import CONV1D_STYLES, ParallelConv1D
+from .layers import ColumnParallelLinear, FusedColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear
 from .mappings import copy_to_region, gather_from_sequence_region, scatter_to_region
 from .replicated import mark
 from .spec import compile_pattern, style_of
@@ -60,7 +63,7 @@ __all__ = ["STYLES", "apply_tp", "tp_parallelize", "tp_plan", "vocab_parallel_ca
 
 STYLES = ("colwise", "rowwise", "colwise_gathered", "colwise_kv_replicated", "replicated_with_grad_allreduce",
           "vocab_embedding", "vocab_lm_head", "sequence_parallel", "sequence_scatter_input", "sequence_gather_input",
-          "sequence_gather_input_replicated", "copy_input")
+          "sequence_gather_input_replicated", "copy_input", "colwise_halves", *CONV1D_STYLES)
 SEQ_DIM = 1  # HF hidden states are [batch, seq, hidden]
 
 
@@ -89,10 +92,14 @@ def _set(part: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def _replacement(name: str, style: str, module: nn.Module, group, sp: bool, n_kv: int) -> nn.Module:
-    expected = nn.Embedding if style == "vocab_embedding" else nn.Linear
-    if type(module) is not expected:
+    expected = "Conv1D" if style in CONV1D_STYLES else "Embedding" if style == "vocab_embedding" else "Linear"
+    if type(module).__name__ != expected:
         raise TypeError(f"tp plan: {name} ({type(module).__name__}) matched style {style!r}, which expects "
-                        f"{expected.__name__}")
+                        f"{expected}")
+    if style in CONV1D_STYLES:
+        return ParallelConv1D(module, style, group, sequence_parallel=sp, input_is_gathered=sp)
+    if style == "colwise_halves":
+        return FusedColumnParallelLinear.from_linear(module, group, input_is_gathered=sp)
     if style in ("colwise", "colwise_gathered"):
         return ColumnParallelLinear.from_linear(module, group, input_is_gathered=sp or style == "colwise_gathered")
     if style == "rowwise":
