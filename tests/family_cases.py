@@ -11,7 +11,7 @@ from engine_cases import BETAS, LR, SEQ, VOCAB, global_batch
 EPS = 1e-6
 
 
-def tiny_family(name):
+def tiny_family(name, tied=False):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -24,8 +24,8 @@ def tiny_family(name):
                                    tie_word_embeddings=False, **common)
     elif name == "gpt2":
         cfg = AutoConfig.for_model("gpt2", n_embd=64, n_head=4, n_layer=4, n_positions=SEQ, vocab_size=VOCAB,
-                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                   attn_implementation="eager")
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1,
+                                   attn_implementation="eager", tie_word_embeddings=tied)
     else:
         raise ValueError(name)
     model = AutoModelForCausalLM.from_config(cfg).float()
@@ -36,11 +36,11 @@ def tiny_family(name):
     return model
 
 
-def reference_run(name, steps, rows, *, clip=1.0):
+def reference_run(name, steps, rows, *, clip=1.0, tied=False):
     """Single process (AdamW with EPS): HF loss, AdamW, clip_grad_norm_. Returns per-step losses and the final state dict."""
     import torch
 
-    model = tiny_family(name)
+    model = tiny_family(name, tied)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
     losses = []
     for step in range(steps):

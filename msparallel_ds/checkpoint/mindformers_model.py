@@ -91,7 +91,7 @@ def model_from_yaml(path: str | Path, *, legacy_fused_layout: str = "interleaved
     legacy = raw.get("use_legacy", True) is not False
     if legacy:
         try:
-            model_type, kw = legacy_hf_config(mc)
+            model_type, kw = _legacy_family_config(mc) or legacy_hf_config(mc)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
     else:
@@ -108,7 +108,8 @@ def model_from_yaml(path: str | Path, *, legacy_fused_layout: str = "interleaved
         raise ValueError(f"{path}: {e}") from None
     if legacy:
         ops = adapter.mindformers_weights(hf_config, legacy=True, qkv_interleaved=legacy_fused_layout == "interleaved")
-        qkv_concat = bool(mc.get("qkv_concat", False))
+        # ChatGLM2Config: 1.3.x has only the fused query_key_value (no qkv_concat key), so absent means fused
+        qkv_concat = bool(mc.get("qkv_concat", model_type == "glm"))
     else:
         ops = adapter.mindformers_weights(
             hf_config, legacy=False,
@@ -116,6 +117,16 @@ def model_from_yaml(path: str | Path, *, legacy_fused_layout: str = "interleaved
             fc1_interleaved=bool(mc.get("use_interleaved_weight_layout_mlp", True)))
         qkv_concat = True
     return MindFormersModel(hf_config, adapter, legacy, qkv_concat, ops)
+
+
+def _legacy_family_config(mc: Mapping):
+    """(model_type, HF config kwargs) of a legacy model_config of a non-Llama family (models/glm.py, gpt2.py), or
+    None for the Llama family's LlamaConfig."""
+    from ..models.glm import chatglm_hf_config
+    from ..models.gpt2 import gpt2_hf_config
+
+    fn = {"ChatGLM2Config": chatglm_hf_config, "GPT2Config": gpt2_hf_config}.get(str(mc.get("type", "LlamaConfig")))
+    return fn(mc) if fn else None
 
 
 def _causal_lm_name(model_type: str) -> str:

@@ -26,6 +26,10 @@ styles, never a model's module names:
 |                                | layers (backward reduce-scatters); its rowwise layer reduce-scatters back      |
 | sequence_gather_input_replicated | (SP) output head -> ReplicatedLMHead (the same replicated weights): all-   |
 |                                  | gathers its input; backward keeps this rank's slice                        |
+| sequence_gather_replicated     | (SP) a replicated module run on the whole sequence (GPT-2's ln_f, whose model   |
+|                                | reshapes to the full length after it): all-gathers its input; backward keeps   |
+|                                | this rank's slice                                                              |
+| vocab_lm_head_full_sequence    | vocab_lm_head whose input is the whole sequence already (after the above)      |
 | copy_input                     | (no SP) a block whose inner layers take partial grads: identity forward, its   |
 |                                | input grad all-reduced once in backward (Megatron's f, for the whole block)    |
 
@@ -51,7 +55,7 @@ from ..labels import IGNORE_INDEX
 from ..models import DecoderAdapter, adapter_for
 from .conv1d import CONV1D_STYLES, ParallelConv1D
 from .layers import ColumnParallelLinear, FusedColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear
-from .mappings import copy_to_region, gather_from_sequence_region, scatter_to_region
+from .mappings import copy_to_region, gather_from_region, gather_from_sequence_region, scatter_to_region
 from .replicated import mark
 from .spec import compile_pattern, style_of
 from .vocab import ParallelLMHead, ReplicatedLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -63,7 +67,8 @@ __all__ = ["STYLES", "apply_tp", "tp_parallelize", "tp_plan", "vocab_parallel_ca
 
 STYLES = ("colwise", "rowwise", "colwise_gathered", "colwise_kv_replicated", "replicated_with_grad_allreduce",
           "vocab_embedding", "vocab_lm_head", "sequence_parallel", "sequence_scatter_input", "sequence_gather_input",
-          "sequence_gather_input_replicated", "copy_input", "colwise_halves", *CONV1D_STYLES)
+          "sequence_gather_input_replicated", "copy_input", "colwise_halves", *CONV1D_STYLES, "sequence_gather_replicated",
+          "vocab_lm_head_full_sequence")
 SEQ_DIM = 1  # HF hidden states are [batch, seq, hidden]
 
 
@@ -110,6 +115,8 @@ def _replacement(name: str, style: str, module: nn.Module, group, sp: bool, n_kv
         return VocabParallelEmbedding.from_embedding(module, group)
     if style == "sequence_gather_input_replicated":
         return ReplicatedLMHead(module, group, SEQ_DIM)
+    if style == "vocab_lm_head_full_sequence":
+        return ParallelLMHead.from_linear(module, group, sequence_parallel=False)
     return ParallelLMHead.from_linear(module, group, sequence_parallel=sp)  # vocab_lm_head
 
 
@@ -135,6 +142,8 @@ def apply_tp(part: nn.Module, layout: ParallelLayout, adapter: DecoderAdapter, p
             _map_hidden_input(module, lambda x: scatter_to_region(x, group, SEQ_DIM))
         elif style == "sequence_gather_input":
             _map_hidden_input(module, lambda x: gather_from_sequence_region(x, group, SEQ_DIM))
+        elif style == "sequence_gather_replicated":
+            _map_hidden_input(module, lambda x: gather_from_region(x, group, SEQ_DIM))
         elif style == "copy_input":
             _map_hidden_input(module, lambda x: copy_to_region(x, group))
         else:
@@ -142,7 +151,7 @@ def apply_tp(part: nn.Module, layout: ParallelLayout, adapter: DecoderAdapter, p
     if not matched:
         raise ValueError(f"tp plan matched no module of {type(part).__name__}: {plan}")
     adapter.set_local_heads(part, part.config, tp)
-    if "vocab_lm_head" in plan.values() and hasattr(part, "loss_function"):  # a whole causal LM, not a stage
+    if any(s.startswith("vocab_lm_head") for s in plan.values()) and hasattr(part, "loss_function"):  # a whole causal LM, not a stage
         if getattr(part.config, "tie_word_embeddings", False):
             part.get_output_embeddings().weight = part.get_input_embeddings().weight  # same rows, same matrix
         part.loss_function = _VocabParallelLoss(group)

@@ -17,7 +17,7 @@ so a parameter's layout is decided once, by the style its module has in the TP o
 | conv1d_rowwise         | split, dim 0    | replicated      |
 | rowwise                | split, dim 1    | replicated      |
 | vocab_embedding        | vocab, dim 0    | -               |
-| vocab_lm_head          | vocab, dim 0    | vocab, dim 0    |
+| vocab_lm_head(_full_sequence) | vocab, dim 0 | vocab, dim 0  |
 | colwise_kv_replicated  | kv_replicated   | kv_replicated   |
 | ep_experts (over ep)   | every 3-D expert tensor: expert, dim 0  |
 | anything else          | replicated      | replicated      |
@@ -120,6 +120,7 @@ STYLE_PARAM_SHARDS: dict[str, dict[str, Shard]] = {
     "conv1d_rowwise": {"weight": _SPLIT0, "bias": REPLICATED},
     "vocab_embedding": {"weight": _VOCAB0},
     "vocab_lm_head": {"weight": _VOCAB0, "bias": _VOCAB0},
+    "vocab_lm_head_full_sequence": {"weight": _VOCAB0, "bias": _VOCAB0},
     "colwise_kv_replicated": {"weight": _KV, "bias": _KV},
     "ep_experts": {"*": EXPERT_SHARD},  # every parameter of a HF experts module (the fused 3-D expert tensors)
 }
