@@ -40,7 +40,31 @@ def _tied(family, case):
     return family == "gpt2" and "pp" not in CASES[case]
 
 
-def _train(rank, world_size, family, cases):
+def _round_trip(engine, save_dir):
+    """save_pretrained of the tp run, then plain HF and msp.from_pretrained (tp shards read per fused block):
+    max |logits diff| against the parallel model's, (plain, reloaded)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import msparallel_ds as msp
+    from msparallel_ds.distributed.collectives import all_gather_along
+
+    engine.save_pretrained(save_dir)
+    ids, _ = global_batch(99, 2)
+    lay = engine.layout
+
+    def logits(model):
+        with torch.no_grad():
+            out = model.eval()(input_ids=ids).logits
+        return all_gather_along(out, lay.group("tp"), -1) if getattr(model.lm_head, "tp", 1) > 1 else out
+
+    ours = logits(engine.model)
+    reloaded = logits(msp.from_pretrained(save_dir, lay))
+    plain = logits(AutoModelForCausalLM.from_pretrained(save_dir)) if lay.global_rank == 0 else ours
+    return (plain - ours).abs().max().item(), (reloaded - ours).abs().max().item()
+
+
+def _train(rank, world_size, family, cases, save_dir):
     import msparallel_ds as msp
 
     out = {}
@@ -57,7 +81,8 @@ def _train(rank, world_size, family, cases):
         state = engine.full_state_dict(rank0_only=True)
         out[case] = {"losses": losses, "rows": rows * lay.size("dp"), "state": state if rank == 0 else None,
                      "sizes": {n: lay.size(n) for n in ("pp", "dp", "tp", "cp")},
-                     "tp_plan": dict(engine.applied.tp_plan) if hasattr(engine, "applied") else {}}
+                     "tp_plan": dict(engine.applied.tp_plan) if hasattr(engine, "applied") else {},
+                     "round_trip": _round_trip(engine, f"{save_dir}/{case}") if case == "dp2xtp2_sp_vocab" else None}
     return out
 
 
@@ -80,10 +105,13 @@ def _check(family, results):
         assert set(state) >= {k for k in ref_state if not k.endswith("rotary_emb.inv_freq")}, (family, case)
         diffs = sorted(((state[k] - v).abs().max().item(), k) for k, v in ref_state.items() if k in state)
         assert diffs[-1][0] <= 1e-5, (family, case, diffs[-4:])
+        for r in results:
+            if r[case]["round_trip"] is not None:
+                assert max(r[case]["round_trip"]) <= 1e-5, (family, case, r[case]["round_trip"])
     return {case: results[0][case]["losses"] for case in CASES}
 
 
 @pytest.mark.parametrize("family", ["glm", "glm4", "gpt2"])
-def test_family_matches_single_process(family):
-    results = run_distributed(_train, 4, family, list(CASES), timeout=400)
+def test_family_matches_single_process(family, tmp_path):
+    results = run_distributed(_train, 4, family, list(CASES), str(tmp_path), timeout=400)
     _check(family, results)

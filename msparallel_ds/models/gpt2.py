@@ -197,9 +197,15 @@ def _gpt2_ops() -> list[WeightOp]:
     return ops
 
 
+# MindFormers' activation names (modules/activation.py _activation) -> HF ACT2FN: GELU() is the tanh-approximated
+# GELU (approximate=True), FastGelu is x * sigmoid(1.702 x); MindSpore 2.7's nn.GELU() / ops.fast_gelu equal HF's
+# gelu_new / quick_gelu to the last bit on [-4, 4] (measured)
+_ACTIVATIONS = {"gelu": "gelu_new", "fast_gelu": "quick_gelu"}
+
+
 def gpt2_hf_config(mc: Mapping) -> tuple[str, dict]:
     """(HF model_type "gpt2", kwargs) of a MindFormers GPT2Config `model_config` (mindformers 1.3.2
-    models/gpt2/gpt2_config.py defaults). MindFormers' `gelu` is MindSpore's tanh-approximated GELU: HF gelu_new."""
+    models/gpt2/gpt2_config.py defaults; post_layernorm_residual and activations checked)."""
     def get(key, default):
         value = mc.get(key, default)
         return default if value is None or str(value) == "None" else value
@@ -208,15 +214,16 @@ def gpt2_hf_config(mc: Mapping) -> tuple[str, dict]:
         raise ValueError(f"model.model_config.post_layernorm_residual={mc['post_layernorm_residual']!r} has no HF "
                          "gpt2 counterpart; only post_layernorm_residual: False imports")
     act = str(get("hidden_act", "gelu"))
-    if act not in ("gelu", "fast_gelu"):
-        raise ValueError(f"model.model_config.hidden_act={act!r}: only gelu (HF gelu_new) imports for GPT-2")
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"model.model_config.hidden_act={act!r} has no HF counterpart mapped here; "
+                         f"GPT-2 imports {', '.join(_ACTIVATIONS)}")
     hidden = int(get("hidden_size", 768))
     seq = int(get("max_position_embeddings", get("seq_length", 1024)))
     kw = {"vocab_size": int(get("vocab_size", 50257)), "n_embd": hidden, "n_layer": int(get("num_layers", 12)),
           "n_head": int(get("num_heads", 12)), "n_inner": hidden * int(get("expand_ratio", 4)), "n_positions": seq,
           "embd_pdrop": float(get("embedding_dropout_prob", 0.1)),
           "resid_pdrop": float(get("hidden_dropout_rate", 0.1)),
-          "attn_pdrop": float(get("attention_dropout_rate", 0.1)), "activation_function": "gelu_new",
+          "attn_pdrop": float(get("attention_dropout_rate", 0.1)), "activation_function": _ACTIVATIONS[act],
           "bos_token_id": get("bos_token_id", 50256), "eos_token_id": get("eos_token_id", 50256),
           "pad_token_id": get("pad_token_id", 50256), "tie_word_embeddings": True}
     return "gpt2", kw
