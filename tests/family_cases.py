@@ -26,13 +26,26 @@ def tiny_family(name, tied=False):
         cfg = AutoConfig.for_model("gpt2", n_embd=64, n_head=4, n_layer=4, n_positions=SEQ, vocab_size=VOCAB,
                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1,
                                    attn_implementation="eager", tie_word_embeddings=tied)
+    elif name == "glm4_moe":  # DeepSeek-V3's MoE block: 8 experts top-2 in 2 groups top-1, 1 shared, 1st layer dense
+        cfg = AutoConfig.for_model(name, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
+                                   n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
+                                   topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                   norm_topk_prob=True, max_position_embeddings=SEQ, attention_dropout=0.0,
+                                   tie_word_embeddings=False, **common)
     else:
         raise ValueError(name)
     model = AutoModelForCausalLM.from_config(cfg).float()
-    with torch.no_grad():  # HF zero-inits biases: random ones, so a wrong bias split shows
+    with torch.no_grad():  # HF zero-inits biases and routers: random ones, so a wrong split or routing shows
         for n, p in model.named_parameters():
             if n.endswith(".bias"):
                 p.normal_(0, 0.02)
+            if n.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(torch.linspace(-0.05, 0.05, b.numel()))
     return model
 
 

@@ -1,7 +1,7 @@
 """The GLM (glm, glm4) and GPT-2 families through msp.initialize on 4 gloo processes equal one process: per-step
 losses over 3 AdamW steps (relative error <= 1e-6) and the final weights (<= 1e-5), for dp2 x tp2 + SP + vocab
-parallel, tp2 x cp2 ring and pp2 x dp2 (interleaved, 2 virtual stages). One spawned run covers every case of a
-family (process start-up dominates on CPU); the references run in the pytest process.
+parallel, tp2 x cp2 ring and pp2 x dp2 (interleaved, 2 virtual stages). glm4_moe: dp2 x ep2 x tp2 + SP. One spawned
+run covers every case (process start-up dominates on CPU); the references run in the pytest process.
 """
 import pytest
 from engine_cases import global_batch, tiny_config
@@ -11,17 +11,23 @@ from harness import run_distributed
 pytestmark = pytest.mark.distributed
 
 STEPS = 3
-CASES = {  # name -> tiny_config kwargs (+ pp, vpp)
+CASES = {  # name -> tiny_config kwargs (+ pp, vpp, ep)
     "dp2xtp2_sp_vocab": dict(dp=2, tp=2, sp=True, vocab_dp=False),
     "tp2xcp2_ring": dict(tp=2, cp=2, ring=True, sp=True),
     "pp2_vpp2_dp2": dict(dp=2, pp=2, vpp=2),
 }
+MOE_CASES = {"dp2xep2xtp2_sp": dict(dp=2, tp=2, sp=True, ep=2)}  # glm4_moe: ep folds tp (MindFormers / mcore)
+
+
+def _cases(family):
+    return MOE_CASES if family == "glm4_moe" else CASES
 
 
 def _config(case):
-    kw = dict(CASES[case])
-    pp, vpp = kw.pop("pp", 1), kw.pop("vpp", 1)
+    kw = dict({**CASES, **MOE_CASES}[case])
+    pp, vpp, ep = kw.pop("pp", 1), kw.pop("vpp", 1), kw.pop("ep", 1)
     c = tiny_config(**kw)
+    c["parallel_config"]["expert_parallel"] = ep
     if pp > 1:
         c["parallel_config"].update(pipeline_stage=pp, micro_batch_num=4)
         c["parallel"]["pipeline_config"] = {"pipeline_interleave": vpp > 1, "pipeline_scheduler": "1f1b"}
@@ -37,7 +43,7 @@ def _adamw(params):
 
 def _tied(family, case):
     """GPT-2 ties its head to wte (tp and cp cases); a tied head with pp > 1 is refused, so pp runs untied."""
-    return family == "gpt2" and "pp" not in CASES[case]
+    return family == "gpt2" and "pp" not in _cases(family)[case]
 
 
 def _round_trip(engine, save_dir):
@@ -80,24 +86,27 @@ def _train(rank, world_size, family, cases, save_dir):
             losses.append(engine.train_batch({"input_ids": ids[share], "labels": labels[share]}).item())
         state = engine.full_state_dict(rank0_only=True)
         out[case] = {"losses": losses, "rows": rows * lay.size("dp"), "state": state if rank == 0 else None,
-                     "sizes": {n: lay.size(n) for n in ("pp", "dp", "tp", "cp")},
+                     "sizes": {n: lay.size(n) for n in ("pp", "dp", "tp", "cp", "ep")},
                      "tp_plan": dict(engine.applied.tp_plan) if hasattr(engine, "applied") else {},
                      "round_trip": _round_trip(engine, f"{save_dir}/{case}") if case == "dp2xtp2_sp_vocab" else None}
     return out
 
 
 def _check(family, results):
-    refs = {}
-    for case in CASES:
+    refs, table = {}, {}
+    cases = _cases(family)
+    for case in cases:
         key = results[0][case]["rows"], _tied(family, case)
         if key not in refs:
             refs[key] = reference_run(family, STEPS, key[0], tied=key[1])
         ref_losses, ref_state = refs[key]
+        worst = 0.0
         for rank, r in enumerate(results):
             rel = max(abs(a - b) / abs(b) for a, b in zip(r[case]["losses"], ref_losses))
             if r[case]["sizes"]["pp"] == 1 or rank == 0:  # pipeline: the loss is reported where it is known
                 assert rel <= 1e-6, (family, case, rank, r[case]["losses"], ref_losses)
-        want = {n: CASES[case].get(n, 1) for n in ("pp", "dp", "tp", "cp")}
+                worst = max(worst, rel)
+        want = {n: cases[case].get(n, 1) for n in ("pp", "dp", "tp", "cp", "ep")}
         assert results[0][case]["sizes"] == want, (case, results[0][case]["sizes"])
         if want["tp"] > 1:  # the family's own plan ran (not a replicated fallback)
             assert len(results[0][case]["tp_plan"]) >= 4, results[0][case]["tp_plan"]
@@ -105,13 +114,29 @@ def _check(family, results):
         assert set(state) >= {k for k in ref_state if not k.endswith("rotary_emb.inv_freq")}, (family, case)
         diffs = sorted(((state[k] - v).abs().max().item(), k) for k, v in ref_state.items() if k in state)
         assert diffs[-1][0] <= 1e-5, (family, case, diffs[-4:])
+        table[case] = (worst, diffs[-1][0])
         for r in results:
             if r[case]["round_trip"] is not None:
                 assert max(r[case]["round_trip"]) <= 1e-5, (family, case, r[case]["round_trip"])
-    return {case: results[0][case]["losses"] for case in CASES}
+    return table
 
 
-@pytest.mark.parametrize("family", ["glm", "glm4", "gpt2"])
-def test_family_matches_single_process(family, tmp_path):
-    results = run_distributed(_train, 4, family, list(CASES), str(tmp_path), timeout=400)
-    _check(family, results)
+FAMILIES = ("glm", "glm4", "gpt2", "glm4_moe")
+
+
+def _train_all(rank, world_size, save_dir):
+    import torch
+
+    torch.set_num_threads(1)
+    return {family: _train(rank, world_size, family, list(_cases(family)), f"{save_dir}/{family}")
+            for family in FAMILIES}
+
+
+def test_families_match_single_process(tmp_path):
+    """One spawned run for every family's cases (start-up and imports once); checked family by family."""
+    results = run_distributed(_train_all, 4, str(tmp_path), timeout=600)
+    table = {family: _check(family, [r[family] for r in results]) for family in FAMILIES}
+    for family, rows in table.items():  # the parity table (pytest -s shows it)
+        for case, (loss_rel, weights) in rows.items():
+            print(f"{family:9s} {case:18s} loss rel {loss_rel:.1e}  weights {weights:.1e}")
+    assert set(table) == set(FAMILIES)

@@ -28,8 +28,9 @@ import torch
 from ..checkpoint.weight_map import FusedQKV, Rename, WeightOp
 from .base import LayerParts
 from .llama import LlamaFamily, mcore_dense_ops
+from .moe import MoEFamily
 
-__all__ = ["GlmFamily", "chatglm_hf_config"]
+__all__ = ["Glm4MoeFamily", "GlmFamily", "chatglm_hf_config"]
 
 
 class GlmFamily(LlamaFamily):
@@ -163,3 +164,29 @@ def chatglm_hf_config(mc: Mapping) -> tuple[str, dict]:
           "pad_token_id": get("pad_token_id", 0), "eos_token_id": list(eos) if isinstance(eos, (list, tuple)) else eos,
           "tie_word_embeddings": False}
     return "glm", kw
+
+
+class Glm4MoeFamily(MoEFamily):
+    """HF glm4_moe (GLM-4.5): the attention of the Llama family (q/k/v with biases, partial RoPE, optional q/k
+    norms), dense MLPs on the first `first_k_dense_replace` layers, then DeepSeek-V3's MoE block: sigmoid router
+    `mlp.gate` with e_score_correction_bias, group-limited top-k and routed_scaling_factor, fused routed `experts`
+    (over ep) and `shared_experts` (replicated over tp, on the SP slice) — the MoE family's plan and routing."""
+
+    architectures = ("Glm4MoeForCausalLM",)
+    model_types = ("glm4_moe",)
+    router_score = "sigmoid"  # MindFormers' aux loss probabilities for a sigmoid router (as DeepSeek-V3)
+    mindformers_names = {**MoEFamily.mindformers_names, **{
+        k: v for k, v in GlmFamily.mindformers_names.items() if k.startswith("self_attn")},
+        "mlp.shared_experts": ["mlp.shared_experts"]}
+
+    def moe_layers(self, config: Any) -> list[int]:
+        if not self.num_experts(config):
+            return []
+        return list(range(config.first_k_dense_replace or 0, config.num_hidden_layers))
+
+    def base_tp_plan(self, config: Any, tp: int) -> dict[str, str]:
+        plan = super().base_tp_plan(config, tp)
+        if getattr(config, "use_qk_norm", False):  # per-head norms: every rank's heads use the same weights
+            plan.update({"layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+                         "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"})
+        return plan
