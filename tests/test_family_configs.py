@@ -120,3 +120,20 @@ def test_scaling_keeps_the_yaml_keys():
     doc = scaled("glm4_9b")
     assert doc["model"]["model_config"]["offset"] == [-1, 0, 2, -1]
     assert doc["parallel_config"]["use_seq_parallel"] is True and copy.deepcopy(doc) == doc
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason=f"{SHARED} is absent (it ships beside the repo in CI only)")
+def test_importer_maps_the_real_glm_yamls_and_names_families_without_adapter():
+    from msparallel_ds.checkpoint.mindformers_model import model_from_yaml
+    from msparallel_ds.models import GlmFamily
+
+    m = model_from_yaml(YAMLS["glm4_9b"])  # GLM-4-9B as ChatGLM2Config (1.3.2)
+    c = m.hf_config
+    assert isinstance(m.adapter, GlmFamily) and m.legacy and m.qkv_concat
+    assert (c.model_type, c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size) == \
+        ("glm", 40, 4096, 13696, 151552)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps) == (32, 2, 128, 1.5625e-07)
+    assert c.attention_bias and c.rope_parameters["partial_rotary_factor"] == 0.5 and not c.tie_word_embeddings
+    with pytest.raises(ValueError, match=r"model\.model_config\.type='TelechatConfig'.*TeleChat.*these run: "
+                                         r"parallel_config\.data_parallel"):
+        model_from_yaml(SHARED / "telechat2__finetune_telechat_115b.yaml")

@@ -122,10 +122,15 @@ def model_from_yaml(path: str | Path, *, legacy_fused_layout: str = "interleaved
 def _legacy_family_config(mc: Mapping):
     """(model_type, HF config kwargs) of a legacy model_config of a non-Llama family (models/glm.py, gpt2.py), or
     None for the Llama family's LlamaConfig."""
+    from ..models import family_name, unsupported_advice
     from ..models.glm import chatglm_hf_config
     from ..models.gpt2 import gpt2_hf_config
 
-    fn = {"ChatGLM2Config": chatglm_hf_config, "GPT2Config": gpt2_hf_config}.get(str(mc.get("type", "LlamaConfig")))
+    kind = str(mc.get("type", "LlamaConfig"))
+    fn = {"ChatGLM2Config": chatglm_hf_config, "GPT2Config": gpt2_hf_config}.get(kind)
+    if fn is None and family_name(kind):  # TeleChat, Baichuan, InternLM, CogVLM2, Whisper YAMLs
+        raise ValueError(f"model.model_config.type={kind!r}: no HF model is imported for it: "
+                         f"{unsupported_advice(kind, None)}")
     return fn(mc) if fn else None
 
 
