@@ -140,3 +140,27 @@ def test_families_match_single_process(tmp_path):
         for case, (loss_rel, weights) in rows.items():
             print(f"{family:9s} {case:18s} loss rel {loss_rel:.1e}  weights {weights:.1e}")
     assert set(table) == set(FAMILIES)
+
+
+def test_fused_block_shard_layout(monkeypatch):
+    """Shard(parts=k): rank r holds every block's chunk r, in block order; indices() name the same rows of the full
+    tensor (what from_pretrained reads), and the ranks' parts, rank-major as an all-gather returns them,
+    rearrange to the full tensor (what save gathers)."""
+    import torch
+
+    from msparallel_ds.distributed import collectives
+    from msparallel_ds.tensor_parallel.spec import STYLE_PARAM_SHARDS, Shard
+
+    full = torch.arange(24 * 3).reshape(24, 3)
+    for parts, dim in ((2, 0), (3, 0), (3, 1)):
+        t = full if dim == 0 else full.t().contiguous()
+        shard, tp = Shard(dim, "split", parts=parts), 2
+        local = [shard.local(t, tp, r) for r in range(tp)]
+        for r in range(tp):
+            blocks = t.chunk(parts, dim)
+            assert torch.equal(local[r], torch.cat([b.chunk(tp, dim)[r] for b in blocks], dim))
+            assert torch.equal(torch.cat([t[i] for i in shard.indices(local[r].shape, tp, r)], dim), local[r])
+        monkeypatch.setattr(collectives, "all_gather_along", lambda x, group, d: torch.cat(local, d))  # rank-major
+        assert torch.equal(shard.gather(local[0], None), t)
+    assert STYLE_PARAM_SHARDS["colwise_halves"]["weight"].parts == 2
+    assert STYLE_PARAM_SHARDS["conv1d_colwise_qkv"]["weight"] == Shard(1, "split", parts=3)
