@@ -17,16 +17,23 @@ CASES = {  # name -> tiny_config kwargs (+ pp, vpp, ep)
     "pp2_vpp2_dp2": dict(dp=2, pp=2, vpp=2),
 }
 MOE_CASES = {"dp2xep2xtp2_sp": dict(dp=2, tp=2, sp=True, ep=2)}  # glm4_moe: ep folds tp (MindFormers / mcore)
+# GLM layers have no LayerParts: under 2 copies x fine_grain 2 they run whole, interleaved as copies
+GLM_CASES = {"dp2xtp2_sp_2copies_fine_grain2": dict(dp=2, tp=2, sp=True, bs=2, mbi=2, fine_grain=2)}
 
 
 def _cases(family):
-    return MOE_CASES if family == "glm4_moe" else CASES
+    if family == "glm4_moe":
+        return MOE_CASES
+    return {**CASES, **GLM_CASES} if family in ("glm", "glm4") else CASES
 
 
 def _config(case):
-    kw = dict({**CASES, **MOE_CASES}[case])
+    kw = dict({**CASES, **MOE_CASES, **GLM_CASES}[case])
     pp, vpp, ep = kw.pop("pp", 1), kw.pop("vpp", 1), kw.pop("ep", 1)
+    mbi, fine_grain = kw.pop("mbi", 1), kw.pop("fine_grain", 1)
     c = tiny_config(**kw)
+    c["micro_batch_interleave_num"] = mbi
+    c["model"]["model_config"]["fine_grain_interleave"] = fine_grain
     c["parallel_config"]["expert_parallel"] = ep
     if pp > 1:
         c["parallel_config"].update(pipeline_stage=pp, micro_batch_num=4)
@@ -88,6 +95,7 @@ def _train(rank, world_size, family, cases, save_dir):
         out[case] = {"losses": losses, "rows": rows * lay.size("dp"), "state": state if rank == 0 else None,
                      "sizes": {n: lay.size(n) for n in ("pp", "dp", "tp", "cp", "ep")},
                      "tp_plan": dict(engine.applied.tp_plan) if hasattr(engine, "applied") else {},
+                     "interleaved": getattr(getattr(engine, "applied", None), "interleave", None) is not None,
                      "round_trip": _round_trip(engine, f"{save_dir}/{case}") if case == "dp2xtp2_sp_vocab" else None}
     return out
 
@@ -107,13 +115,17 @@ def _check(family, results):
                 assert rel <= 1e-6, (family, case, rank, r[case]["losses"], ref_losses)
                 worst = max(worst, rel)
         want = {n: cases[case].get(n, 1) for n in ("pp", "dp", "tp", "cp", "ep")}
+        if cases[case].get("mbi", 1) > 1:
+            assert results[0][case]["interleaved"], (family, case)
         assert results[0][case]["sizes"] == want, (case, results[0][case]["sizes"])
         if want["tp"] > 1:  # the family's own plan ran (not a replicated fallback)
             assert len(results[0][case]["tp_plan"]) >= 4, results[0][case]["tp_plan"]
         state = results[0][case]["state"]
         assert set(state) >= {k for k in ref_state if not k.endswith("rotary_emb.inv_freq")}, (family, case)
         diffs = sorted(((state[k] - v).abs().max().item(), k) for k, v in ref_state.items() if k in state)
-        assert diffs[-1][0] <= 1e-5, (family, case, diffs[-4:])
+        # the interleaved copies sum each embedding row's few-token gradient in another order, which Adam turns
+        # into up to ~2e-5 on rare rows after 3 steps: the other suites' 5e-5 there (losses stay at 1e-6)
+        assert diffs[-1][0] <= (5e-5 if case in GLM_CASES else 1e-5), (family, case, diffs[-4:])
         table[case] = (worst, diffs[-1][0])
         for r in results:
             if r[case]["round_trip"] is not None:
