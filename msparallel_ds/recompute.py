@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .training_wrap import wrap_training_forward
 
-__all__ = ["apply_recompute", "checkpoint_module", "select_modules"]
+__all__ = ["apply_recompute", "checkpoint_module", "hf_gradient_checkpointing", "select_modules"]
 
 # MindSpore primitive names that end a select pattern (an operator, not a cell)
 _OPS = {"mul", "add", "silu", "gelu", "reshape", "cast", "matmul", "batchmatmul", "bmm", "transpose", "softmax",
@@ -104,3 +104,19 @@ def apply_recompute(part: nn.Module, recompute, *, stage: int = 0, chunk: int = 
                     checkpoint_module(layer.get_submodule(name))
                     have.append(name)
     return done
+
+
+def hf_gradient_checkpointing(model: nn.Module) -> dict[str, list[str]]:
+    """`recompute: true` on a model without a family adapter: the model's own HF gradient checkpointing (every
+    GradientCheckpointingLayer, non-reentrant). Returns {layer index: ['']} like apply_recompute."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from .models import unsupported_advice
+
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        raise ValueError(f"recompute_config.recompute: true: {unsupported_advice(type(model).__name__, model_type)}; "
+                         "it does not support HF gradient checkpointing either: set recompute: false")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return {str(i): [""] for i in range(len(layers))}

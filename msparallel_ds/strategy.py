@@ -146,7 +146,8 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
     tp, ep, inter = layout.size("tp"), layout.size("ep"), options.interleave
     recompute_on = options.recompute is not None and options.recompute.mode != "none"
     interleave_on = inter.copies > 1 or inter.fine_grain > 1 or inter.copy_loss != "mean"
-    adapter = _adapter(part, needed=tp > 1 or ep > 1 or recompute_on or interleave_on
+    hf_recompute = recompute_on and options.recompute.mode == "full"  # whole layers: HF's own checkpointing
+    adapter = _adapter(part, needed=tp > 1 or ep > 1 or (recompute_on and not hf_recompute) or interleave_on
                        or bool(options.activation_offload))
     if options.mtp_depth:
         _add_mtp(part, layout, options.mtp_depth)
@@ -192,7 +193,12 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
 
         use_cp_attention(part, layout, algo=options.cp_algo, backend=options.cp_backend)
         cp_algo = resolve_algo(layout, options.cp_algo)
-    recompute = apply_recompute(part, options.recompute, stage=stage, chunk=chunk) if recompute_on else {}
+    if recompute_on and adapter is None:
+        from .recompute import hf_gradient_checkpointing
+
+        recompute = hf_gradient_checkpointing(part)
+    else:
+        recompute = apply_recompute(part, options.recompute, stage=stage, chunk=chunk) if recompute_on else {}
     offloaded = tuple(offload_activations(part, options.activation_offload, recompute))
     interleave = None
     if interleave_on:

@@ -136,33 +136,72 @@ def _fake_layout(tp):
     return SimpleNamespace(size=lambda name: tp if name == "tp" else 1, group=lambda name: None)
 
 
-def test_unsupported_architecture_names_the_supported_ones():
-    from transformers import GPT2Config, GPT2LMHeadModel
+def _opt():
+    from transformers import OPTConfig, OPTForCausalLM
 
+    import torch
+
+    torch.manual_seed(0)
+    return OPTForCausalLM(OPTConfig(num_hidden_layers=2, hidden_size=16, ffn_dim=32, num_attention_heads=2,
+                                    vocab_size=32, max_position_embeddings=16, word_embed_proj_dim=16,
+                                    dropout=0.0, attention_dropout=0.0))
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    from types import SimpleNamespace
+
+    from msparallel_ds.models import adapter_for_config
     from msparallel_ds.tensor_parallel.apply import tp_parallelize
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
-    with pytest.raises(ValueError, match="unsupported architecture GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3"):
-        tp_parallelize(model, _fake_layout(2))
+    with pytest.raises(ValueError, match="unsupported architecture OPTForCausalLM.*LlamaForCausalLM.*Qwen3.*Glm"
+                                         ".*GPT2LMHeadModel.*recompute: true.*model_parallel > 1"):
+        tp_parallelize(_opt(), _fake_layout(2))
+    for arch, model_type, family in (("TelechatForCausalLM", "telechat", "TeleChat"),
+                                     ("BaichuanForCausalLM", "baichuan", "Baichuan"),
+                                     ("InternLM2ForCausalLM", "internlm2", "InternLM"),
+                                     ("WhisperForConditionalGeneration", "whisper", "Whisper"),
+                                     ("CogVLMForCausalLM", "cogvlm2", "CogVLM2")):
+        with pytest.raises(ValueError, match=rf"unsupported architecture {family} \({arch}.*these run: "
+                                             r"parallel_config.data_parallel.*context_parallel.*These need an "
+                                             r"adapter: parallel_config.model_parallel > 1"):
+            adapter_for_config(SimpleNamespace(model_type=model_type, architectures=[arch]))
 
 
-def _dp_only_gpt2(rank, world_size):
-    from transformers import GPT2Config, GPT2LMHeadModel
+def _dp_only_opt(rank, world_size):
+    import torch
 
     import msparallel_ds as msp
     from msparallel_ds.strategy import applied_to
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
-    layout = msp.init_parallel(msp.load_config({"parallel_config": {"data_parallel": world_size}}))
+    model = _opt()
+    layout = msp.init_parallel(msp.load_config({"parallel_config": {"data_parallel": world_size},
+                                                "recompute_config": {"recompute": True}}))
     msp.parallelize(model, layout)
     done = applied_to(model)
-    return done.adapter, done.output_head(model) is model.lm_head, len(done.spec.split_names())
+    ids = torch.arange(24).reshape(2, 12) % 32
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    ref = _opt().train()
+    ref(input_ids=ids, labels=ids).loss.backward()
+    grads = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    refused = None
+    try:  # per-stage counts need the adapter's layer list: refused naming the keys
+        msp.parallelize(_opt(), msp.init_parallel(msp.load_config(
+            {"parallel_config": {"data_parallel": world_size}, "recompute_config": {"recompute": [1]}})))
+    except ValueError as e:
+        refused = str(e)
+    return (done.adapter, done.output_head(model) is model.lm_head, len(done.spec.split_names()), done.recompute,
+            model.model.decoder.gradient_checkpointing, grads, refused)
 
 
 def test_a_family_without_adapter_still_runs_data_parallel():
-    """Only tp, recompute and interleave need the family adapter; dp / ZeRO / cp run any HF causal LM."""
-    for adapter, head_found, split in run_distributed(_dp_only_gpt2, 2, timeout=120):
+    """Only tp, pp, ep, per-stage/select recompute and interleave need the family adapter; dp / ZeRO / cp and
+    whole-layer recompute (the model's own HF gradient checkpointing) run any HF causal LM."""
+    for adapter, head_found, split, recompute, hf_gc, grads, refused in run_distributed(_dp_only_opt, 2,
+                                                                                          timeout=120):
         assert adapter is None and head_found and split == 0
+        assert recompute == {"0": [""], "1": [""]} and hf_gc and grads <= 1e-6, (recompute, hf_gc, grads)
+        assert "recompute_config.recompute as per-stage counts" in refused, refused
 
 
 @pytest.mark.parametrize("tp, match", [

@@ -118,7 +118,8 @@ def _read(handle, key: str, local_shape, shard: Shard, layout: ParallelLayout) -
     if shape != full:
         raise ValueError(f"checkpoint tensor {key!r} has shape {shape} but this {shard.group} rank's shard {local} "
                          f"(dim {shard.dim} split over {shard.group}={tp}) needs a full shape of {full}")
-    return sl[shard.index(local, tp, tp_rank)]
+    blocks = [sl[index] for index in shard.indices(local, tp, tp_rank)]  # one per fused block (Shard.parts)
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, shard.dim)
 
 
 class _OriginalFormat:

@@ -103,7 +103,8 @@ def model_from_yaml(path: str | Path, *, legacy_fused_layout: str = "interleaved
     if legacy:
         try:
             moe = raw.get("moe_config")
-            model_type, kw = legacy_hf_config(mc, moe if isinstance(moe, Mapping) else None)
+            model_type, kw = _legacy_family_config(mc) or legacy_hf_config(
+                mc, moe if isinstance(moe, Mapping) else None)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
     else:
@@ -125,7 +126,8 @@ def model_from_yaml(path: str | Path, *, legacy_fused_layout: str = "interleaved
                          "logits); only 1.0 imports for this family")
     if legacy:
         ops = adapter.mindformers_weights(hf_config, legacy=True, qkv_interleaved=legacy_fused_layout == "interleaved")
-        qkv_concat = bool(mc.get("qkv_concat", False))
+        # ChatGLM2Config: 1.3.x has only the fused query_key_value (no qkv_concat key), so absent means fused
+        qkv_concat = bool(mc.get("qkv_concat", model_type == "glm"))
     else:
         ops = adapter.mindformers_weights(
             hf_config, legacy=False,
@@ -146,6 +148,21 @@ def _rotates_whole_head(hf_config) -> bool:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     sizes = {b.numel() for n, b in model.named_buffers() if n.endswith("inv_freq")}
     return head_dim // 2 in sizes
+
+
+def _legacy_family_config(mc: Mapping):
+    """(model_type, HF config kwargs) of a legacy model_config of a non-Llama family (models/glm.py, gpt2.py), or
+    None for the Llama family's LlamaConfig."""
+    from ..models import family_name, unsupported_advice
+    from ..models.glm import chatglm_hf_config
+    from ..models.gpt2 import gpt2_hf_config
+
+    kind = str(mc.get("type", "LlamaConfig"))
+    fn = {"ChatGLM2Config": chatglm_hf_config, "GPT2Config": gpt2_hf_config}.get(kind)
+    if fn is None and family_name(kind):  # TeleChat, Baichuan, InternLM, CogVLM2, Whisper YAMLs
+        raise ValueError(f"model.model_config.type={kind!r}: no HF model is imported for it: "
+                         f"{unsupported_advice(kind, None)}")
+    return fn(mc) if fn else None
 
 
 def _causal_lm_name(model_type: str) -> str:

@@ -7,28 +7,56 @@ A new family is one adapter (a DecoderAdapter subclass) added to ADAPTERS, plus 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from torch import nn
 
 from .base import DecoderAdapter, InterleavedLayers, LayerParts
 from .deepseek import DeepseekV3Family
+from .glm import Glm4MoeFamily, GlmFamily
+from .gpt2 import Gpt2Family
 from .llama import LlamaFamily
 from .moe import MoEFamily
 from .stage import StageModule
 
-__all__ = ["ADAPTERS", "DecoderAdapter", "DeepseekV3Family", "InterleavedLayers", "LayerParts", "MoEFamily",
-           "StageModule",
-           "SUPPORTED_ARCHITECTURES", "adapter_for", "adapter_for_config"]
+__all__ = ["ADAPTERS", "DecoderAdapter", "DeepseekV3Family", "Glm4MoeFamily", "GlmFamily", "Gpt2Family",
+           "InterleavedLayers", "LayerParts", "MoEFamily", "StageModule", "SUPPORTED_ARCHITECTURES", "adapter_for",
+           "adapter_for_config", "family_name", "unsupported_advice"]
 
-ADAPTERS: tuple[DecoderAdapter, ...] = (LlamaFamily(), MoEFamily(), DeepseekV3Family())
+ADAPTERS: tuple[DecoderAdapter, ...] = (LlamaFamily(), MoEFamily(), DeepseekV3Family(), GlmFamily(),
+                                          Glm4MoeFamily(), Gpt2Family())
 SUPPORTED_ARCHITECTURES = tuple(a for adapter in ADAPTERS for a in adapter.architectures)
 
 
+# families of MindFormers' real configs that have no adapter (matched in the architecture / model_type / config)
+_KNOWN_WITHOUT_ADAPTER = {"telechat": "TeleChat", "cogvlm": "CogVLM2", "whisper": "Whisper", "baichuan": "Baichuan",
+                          "internlm": "InternLM"}
+NEEDS_ADAPTER = ("parallel_config.model_parallel > 1", "parallel_config.use_seq_parallel",
+                 "parallel_config.pipeline_stage > 1", "parallel_config.expert_parallel > 1",
+                 "recompute_config.recompute as per-stage counts", "recompute_config.select_recompute",
+                 "recompute_config.select_comm_recompute", "micro_batch_interleave_num > 1",
+                 "model.model_config.fine_grain_interleave > 1", "swap_config.layer_swap")
+RUNS_WITHOUT = ("parallel_config.data_parallel", "ZeRO (parallel.enable_parallel_optimizer, optimizer_level)",
+                "parallel_config.context_parallel (the model's attention through HF's attention interface)",
+                "recompute_config.recompute: true (the model's own HF gradient checkpointing)")
+
+
+def family_name(*names: Any) -> Optional[str]:
+    """The MindFormers family a model / config name belongs to, among those known to have no adapter."""
+    text = " ".join(str(n) for n in names if n).lower()
+    return next((fam for key, fam in _KNOWN_WITHOUT_ADAPTER.items() if key in text), None)
+
+
+def unsupported_advice(name: Any, model_type: Any) -> str:
+    family = family_name(name, model_type)
+    what = f"{family} ({name}, model_type={model_type!r})" if family else f"{name} (model_type={model_type!r})"
+    return (f"{what} has no model-family adapter in msparallel_ds (supported: {', '.join(SUPPORTED_ARCHITECTURES)}). "
+            f"Without one, these run: {'; '.join(RUNS_WITHOUT)}. These need an adapter: {'; '.join(NEEDS_ADAPTER)}: "
+            "set them off (model_parallel: 1, pipeline_stage: 1, ...) or add an adapter in msparallel_ds/models")
+
+
 def _unsupported(name: str, model_type: Any) -> ValueError:
-    return ValueError(f"unsupported architecture {name} (model_type={model_type!r}); supported: "
-                      f"{', '.join(SUPPORTED_ARCHITECTURES)}. Other models: keep model_parallel: 1 and "
-                      "pipeline_stage: 1, or add an adapter in msparallel_ds/models")
+    return ValueError(f"unsupported architecture {unsupported_advice(name, model_type)}")
 
 
 def adapter_for(model: nn.Module) -> DecoderAdapter:

@@ -72,18 +72,21 @@ class LlamaFamily(DecoderAdapter):
                          f"model_parallel that divides {kv} or a multiple of {kv} that divides "
                          f"num_attention_heads={h}")
 
-    def tp_plan(self, config: Any, tp: int, *, sequence_parallel: bool = False,
-                vocab_parallel: bool = False) -> dict[str, str]:
+    def base_tp_plan(self, config: Any, tp: int) -> dict[str, str]:
+        """The layers' plan under the base model: the config's own base_model_tp_plan, k/v replicated when
+        tp > kv heads."""
         _, _, replicate_kv = self.heads(config, tp)
         base_plan = getattr(config, "base_model_tp_plan", None) or {}
         if not base_plan:
             raise ValueError(f"{config.architectures or config.model_type}'s config has no base_model_tp_plan")
+        return {pattern: "colwise_kv_replicated" if style == "colwise" and replicate_kv
+                and pattern.rsplit(".", 1)[-1] in ("k_proj", "v_proj") else style
+                for pattern, style in base_plan.items()}
+
+    def tp_plan(self, config: Any, tp: int, *, sequence_parallel: bool = False,
+                vocab_parallel: bool = False) -> dict[str, str]:
         prefix = self.prefix + "."
-        plan = {}
-        for pattern, style in base_plan.items():
-            if style == "colwise" and replicate_kv and pattern.rsplit(".", 1)[-1] in ("k_proj", "v_proj"):
-                style = "colwise_kv_replicated"
-            plan[prefix + pattern] = style
+        plan = {prefix + pattern: style for pattern, style in self.base_tp_plan(config, tp).items()}
         if sequence_parallel:
             plan.update({f"{prefix}layers.*.{b}": "sequence_gather_input" for b in _BLOCKS})
             plan.update({f"{prefix}layers.*.{c}": "sequence_parallel" for c in self.sequence_parallel_children})

@@ -11,6 +11,8 @@ styles, never a model's module names:
 |--------------------------------|--------------------------------------------------------------------------------|
 | colwise                        | nn.Linear -> ColumnParallelLinear (output features split, stays split)         |
 | rowwise                        | nn.Linear -> RowParallelLinear (input is a column layer's split output)        |
+| colwise_halves                 | colwise on a fused [gate; up] output: each half split (GLM's gate_up_proj)     |
+| conv1d_colwise(_qkv), _rowwise | HF Conv1D (GPT-2) column / row parallel; _qkv: each third of c_attn split      |
 | colwise_gathered               | colwise whose input its block already gathered (SP) or copied (copy_input):    |
 |                                | no input collective here (MLA's up projections after replicated down ones)     |
 | colwise_kv_replicated          | key/value projection when tp > kv heads: each rank keeps the kv head its query |
@@ -24,6 +26,10 @@ styles, never a model's module names:
 |                                | layers (backward reduce-scatters); its rowwise layer reduce-scatters back      |
 | sequence_gather_input_replicated | (SP) output head -> ReplicatedLMHead (the same replicated weights): all-   |
 |                                  | gathers its input; backward keeps this rank's slice                        |
+| sequence_gather_replicated     | (SP) a replicated module run on the whole sequence (GPT-2's ln_f, whose model   |
+|                                | reshapes to the full length after it): all-gathers its input; backward keeps   |
+|                                | this rank's slice                                                              |
+| vocab_lm_head_full_sequence    | vocab_lm_head whose input is the whole sequence already (after the above)      |
 | copy_input                     | (no SP) a block whose inner layers take partial grads: identity forward, its   |
 |                                | input grad all-reduced once in backward (Megatron's f, for the whole block)    |
 | token_slice_block              | (no SP) a MoE block: runs on this rank's sequence slice (split in, all-gather  |
@@ -49,7 +55,8 @@ from torch import Tensor, nn
 
 from ..labels import IGNORE_INDEX
 from ..models import DecoderAdapter, adapter_for
-from .layers import ColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear
+from .conv1d import CONV1D_STYLES, ParallelConv1D
+from .layers import ColumnParallelLinear, FusedColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear
 from .mappings import copy_to_region, gather_from_region, gather_from_sequence_region, scatter_to_region
 from .replicated import mark
 from .spec import compile_pattern, style_of
@@ -62,7 +69,8 @@ __all__ = ["STYLES", "apply_tp", "tp_parallelize", "tp_plan", "vocab_parallel_ca
 
 STYLES = ("colwise", "rowwise", "colwise_gathered", "colwise_kv_replicated", "replicated_with_grad_allreduce",
           "vocab_embedding", "vocab_lm_head", "sequence_parallel", "sequence_scatter_input", "sequence_gather_input",
-          "sequence_gather_input_replicated", "copy_input", "token_slice_block")
+          "sequence_gather_input_replicated", "copy_input", "token_slice_block", "colwise_halves", *CONV1D_STYLES,
+          "sequence_gather_replicated", "vocab_lm_head_full_sequence")
 SEQ_DIM = 1  # HF hidden states are [batch, seq, hidden]
 
 
@@ -106,10 +114,14 @@ def _set(part: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def _replacement(name: str, style: str, module: nn.Module, group, sp: bool, n_kv: int) -> nn.Module:
-    expected = nn.Embedding if style == "vocab_embedding" else nn.Linear
-    if type(module) is not expected:
+    expected = "Conv1D" if style in CONV1D_STYLES else "Embedding" if style == "vocab_embedding" else "Linear"
+    if type(module).__name__ != expected:
         raise TypeError(f"tp plan: {name} ({type(module).__name__}) matched style {style!r}, which expects "
-                        f"{expected.__name__}")
+                        f"{expected}")
+    if style in CONV1D_STYLES:
+        return ParallelConv1D(module, style, group, sequence_parallel=sp, input_is_gathered=sp)
+    if style == "colwise_halves":
+        return FusedColumnParallelLinear.from_linear(module, group, input_is_gathered=sp)
     if style in ("colwise", "colwise_gathered"):
         return ColumnParallelLinear.from_linear(module, group, input_is_gathered=sp or style == "colwise_gathered")
     if style == "rowwise":
@@ -120,6 +132,8 @@ def _replacement(name: str, style: str, module: nn.Module, group, sp: bool, n_kv
         return VocabParallelEmbedding.from_embedding(module, group)
     if style == "sequence_gather_input_replicated":
         return ReplicatedLMHead(module, group, SEQ_DIM)
+    if style == "vocab_lm_head_full_sequence":
+        return ParallelLMHead.from_linear(module, group, sequence_parallel=False)
     return ParallelLMHead.from_linear(module, group, sequence_parallel=sp)  # vocab_lm_head
 
 
@@ -145,6 +159,8 @@ def apply_tp(part: nn.Module, layout: ParallelLayout, adapter: DecoderAdapter, p
             _map_hidden_input(module, lambda x: scatter_to_region(x, group, SEQ_DIM))
         elif style == "sequence_gather_input":
             _map_hidden_input(module, lambda x: gather_from_sequence_region(x, group, SEQ_DIM))
+        elif style == "sequence_gather_replicated":
+            _map_hidden_input(module, lambda x: gather_from_region(x, group, SEQ_DIM))
         elif style == "copy_input":
             _map_hidden_input(module, lambda x: copy_to_region(x, group))
         elif style == "token_slice_block":
@@ -154,7 +170,7 @@ def apply_tp(part: nn.Module, layout: ParallelLayout, adapter: DecoderAdapter, p
     if not matched:
         raise ValueError(f"tp plan matched no module of {type(part).__name__}: {plan}")
     adapter.set_local_heads(part, part.config, tp)
-    if "vocab_lm_head" in plan.values() and hasattr(part, "loss_function"):  # a whole causal LM, not a stage
+    if any(s.startswith("vocab_lm_head") for s in plan.values()) and hasattr(part, "loss_function"):  # a whole causal LM, not a stage
         if getattr(part.config, "tie_word_embeddings", False):
             part.get_output_embeddings().weight = part.get_input_embeddings().weight  # same rows, same matrix
         part.loss_function = _VocabParallelLoss(group)

@@ -22,7 +22,7 @@ from .spec import STYLE_PARAM_SHARDS, Shard
 from .mappings import (copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
                        reduce_scatter_to_sequence_region, scatter_to_region)
 
-__all__ = ["ColumnParallelLinear", "ReplicatedKVLinear", "RowParallelLinear", "divide"]
+__all__ = ["ColumnParallelLinear", "FusedColumnParallelLinear", "ReplicatedKVLinear", "RowParallelLinear", "divide"]
 
 
 def divide(n: int, tp: int, what: str, hint: str = "") -> int:
@@ -121,6 +121,19 @@ class ColumnParallelLinear(_ParallelLinear):
             x = copy_to_region(x, self.group)
         y = F.linear(x, self.weight, self.bias)
         return gather_from_region(y, self.group, -1) if self.gather_output else y
+
+
+class FusedColumnParallelLinear(ColumnParallelLinear):
+    """A column layer whose output is two fused blocks, [gate; up] (GLM's gate_up_proj, chunked in two after it):
+    each block is split over tp on its own, so this rank's output is [gate_r; up_r] and the model's chunk(2) pairs
+    them (Megatron's linear_fc1 with partition_stride 2)."""
+    _style = "colwise_halves"
+    _divide_hint = " (each of the two fused halves is split: out_features / 2 must divide too)"
+
+    def __init__(self, in_features: int, out_features: int, *args, **kwargs):
+        super().__init__(in_features, out_features, *args, **kwargs)
+        if (out_features // 2) % self.tp:
+            divide(out_features // 2, self.tp, f"{type(self).__name__}: out_features / 2", self._divide_hint)
 
 
 class RowParallelLinear(_ParallelLinear):

@@ -2,7 +2,9 @@
 from the parallel plan's styles.
 
 Rule (Megatron's, written only here): rank r of a group of T holds `full.chunk(T, dim)[r]` of a split parameter;
-every other parameter is a full replica on each rank of the group. A Shard names its group ("tp", or "ep" for the
+every other parameter is a full replica on each rank of the group. A fused parameter of `parts` equal blocks along
+dim (GLM's [gate; up], GPT-2's [q; k; v]) is split block by block: rank r holds the concatenation of every block's
+chunk r (Megatron's partition_stride). A Shard names its group ("tp", or "ep" for the
 routed experts of a MoE layer, split along the expert dim). The TP layers cut their shards with it, and the weight
 gather, the checkpoints (save, load, convert-checkpoint), save_pretrained and from_pretrained read the same entries,
 so a parameter's layout is decided once, by the style its module has in the TP or EP plan:
@@ -10,9 +12,12 @@ so a parameter's layout is decided once, by the style its module has in the TP o
 | style                  | weight          | bias            |
 |------------------------|-----------------|-----------------|
 | colwise(_gathered)     | split, dim 0    | split, dim 0    |
+| colwise_halves         | split, dim 0, each of 2 fused parts (GLM's gate_up_proj) |
+| conv1d_colwise(_qkv)   | split, dim 1 (3 parts: GPT-2's c_attn) | split, dim 0 |
+| conv1d_rowwise         | split, dim 0    | replicated      |
 | rowwise                | split, dim 1    | replicated      |
 | vocab_embedding        | vocab, dim 0    | -               |
-| vocab_lm_head          | vocab, dim 0    | vocab, dim 0    |
+| vocab_lm_head(_full_sequence) | vocab, dim 0 | vocab, dim 0  |
 | colwise_kv_replicated  | kv_replicated   | kv_replicated   |
 | ep_experts (over ep)   | every 3-D expert tensor: expert, dim 0  |
 | anything else          | replicated      | replicated      |
@@ -41,6 +46,7 @@ class Shard:
     dim: Optional[int] = None
     kind: str = "replicated"  # split | vocab | kv_replicated | expert | replicated
     group: str = "tp"         # the layout dim the parameter is split over ("ep" for experts)
+    parts: int = 1            # fused blocks along dim, each split on its own (partition_stride)
 
     @property
     def is_split(self) -> bool:
@@ -48,7 +54,11 @@ class Shard:
 
     def local(self, full: Tensor, tp: int, rank: int) -> Tensor:
         """This rank's part of the full tensor (a view; the whole tensor when not split or tp == 1)."""
-        return full.chunk(tp, self.dim)[rank] if self.is_split and tp > 1 else full
+        if not self.is_split or tp == 1:
+            return full
+        if self.parts == 1:
+            return full.chunk(tp, self.dim)[rank]
+        return torch.cat([block.chunk(tp, self.dim)[rank] for block in full.chunk(self.parts, self.dim)], self.dim)
 
     def full_shape(self, local_shape, tp: int) -> tuple[int, ...]:
         shape = tuple(local_shape)
@@ -57,12 +67,21 @@ class Shard:
         return shape[:self.dim] + (shape[self.dim] * tp,) + shape[self.dim + 1:]
 
     def index(self, local_shape, tp: int, rank: int) -> tuple[slice, ...]:
-        """The slices of the full tensor this rank holds (for safetensors' get_slice)."""
+        """The slices of the full tensor this rank holds (for safetensors' get_slice; one block: see indices)."""
+        return self.indices(local_shape, tp, rank)[0]
+
+    def indices(self, local_shape, tp: int, rank: int) -> list[tuple[slice, ...]]:
+        """One index per fused block: the full tensor's slices whose concatenation along dim is this rank's part."""
         index = [slice(None)] * len(local_shape)
-        if self.is_split:
-            n = local_shape[self.dim]
-            index[self.dim] = slice(rank * n, (rank + 1) * n)
-        return tuple(index)
+        if not self.is_split:
+            return [tuple(index)]
+        n = local_shape[self.dim] // self.parts
+        out = []
+        for block in range(self.parts):
+            start = (block * tp + rank) * n
+            index[self.dim] = slice(start, start + n)
+            out.append(tuple(index))
+        return out
 
     def gather(self, local: Tensor, group) -> Tensor:
         """The full tensor from every rank's part (a collective over `group`, the process group of self.group)."""
@@ -70,27 +89,38 @@ class Shard:
             return local
         from ..distributed.collectives import all_gather_along
 
-        return all_gather_along(local, group, self.dim)
+        full = all_gather_along(local, group, self.dim)
+        if self.parts == 1:
+            return full
+        pieces = full.chunk(full.shape[self.dim] // local.shape[self.dim] * self.parts, self.dim)  # rank-major
+        tp = len(pieces) // self.parts
+        return torch.cat([pieces[r * self.parts + b] for b in range(self.parts) for r in range(tp)], self.dim)
 
     def parameter(self, data: Tensor, requires_grad: bool = True) -> torch.nn.Parameter:
         """A Parameter over `data` carrying Megatron's attributes when split (DeepSpeed counts such a parameter's
         shards once each in the gradient norm, replicated ones on tp rank 0 only)."""
         p = torch.nn.Parameter(data, requires_grad=requires_grad)
         if self.is_split and self.group == "tp":
-            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, self.dim, 1
+            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, self.dim, self.parts
         return p
 
 
 REPLICATED = Shard()
 EXPERT_SHARD = Shard(0, "expert", "ep")
 _SPLIT0, _SPLIT1, _VOCAB0, _KV = Shard(0, "split"), Shard(1, "split"), Shard(0, "vocab"), Shard(None, "kv_replicated")
+_HALVES0, _THIRDS0, _THIRDS1 = Shard(0, "split", parts=2), Shard(0, "split", parts=3), Shard(1, "split", parts=3)
 # TP plan style -> {parameter attribute -> Shard}; a style or attribute not listed is replicated
 STYLE_PARAM_SHARDS: dict[str, dict[str, Shard]] = {
     "colwise": {"weight": _SPLIT0, "bias": _SPLIT0},
     "colwise_gathered": {"weight": _SPLIT0, "bias": _SPLIT0},
     "rowwise": {"weight": _SPLIT1, "bias": REPLICATED},
+    "colwise_halves": {"weight": _HALVES0, "bias": _HALVES0},
+    "conv1d_colwise": {"weight": _SPLIT1, "bias": _SPLIT0},  # HF Conv1D: weight [in, out]
+    "conv1d_colwise_qkv": {"weight": _THIRDS1, "bias": _THIRDS0},
+    "conv1d_rowwise": {"weight": _SPLIT0, "bias": REPLICATED},
     "vocab_embedding": {"weight": _VOCAB0},
     "vocab_lm_head": {"weight": _VOCAB0, "bias": _VOCAB0},
+    "vocab_lm_head_full_sequence": {"weight": _VOCAB0, "bias": _VOCAB0},
     "colwise_kv_replicated": {"weight": _KV, "bias": _KV},
     "ep_experts": {"*": EXPERT_SHARD},  # every parameter of a HF experts module (the fused 3-D expert tensors)
 }
@@ -130,7 +160,9 @@ class ShardSpec(Mapping):
         for name, p in module.named_parameters(remove_duplicate=False):
             split = getattr(p, "tensor_model_parallel", False)
             expert = getattr(p, "expert_parallel", False)  # set by moe.apply on ep-sharded expert tensors
-            entries[name] = EXPERT_SHARD if expert else Shard(p.partition_dim, "split") if split else REPLICATED
+            parts = getattr(p, "partition_stride", 1)
+            entries[name] = EXPERT_SHARD if expert else Shard(p.partition_dim, "split", parts=parts) if split \
+                else REPLICATED
         return cls(entries)
 
     def __getitem__(self, name: str) -> Shard:
