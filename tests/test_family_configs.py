@@ -1,7 +1,8 @@
 """Real GLM and GPT-2 training YAMLs (glm2, glm4-9b from ../shared/mindformers-configs; glm3, gpt2 13b from the
 1.3.2 wheel, tests/fixtures/mindformers_yaml) import as HF models (the importer's ChatGLM2Config / GPT2Config
 mapping), and, scaled down (hidden 64, 4-8 layers, seq 32, the same parallel keys on 4 ranks), start and train two
-steps through msp.initialize with an explicit optimizer on 4 gloo processes; plus the config and weight maps of
+steps through msp.initialize with the YAML's own optimizer and lr schedule on 4 gloo processes; plus the config and
+weight maps of
 GPT-2 both ways."""
 import copy
 from pathlib import Path
@@ -61,8 +62,7 @@ def _train(rank, world_size, names, tmp):
         model = AutoModelForCausalLM.from_config(hf).float()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            engine = msp.initialize(model, msp.load_config(str(path)),
-                                    optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+            engine = msp.initialize(model, msp.load_config(str(path)), total_steps=2)  # the YAML's optimizer + lr
         lay = engine.layout
         rows = engine.micro_batch_size * engine.gradient_accumulation_steps
         g = torch.Generator().manual_seed(7)

@@ -75,6 +75,23 @@ def export_merged(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = 2 << 30
     return written
 
 
+def read_weights(ckpt_dir: str) -> dict[str, torch.Tensor]:
+    """The fp32 weights of the sharded checkpoint in ckpt_dir, whole, in this process (every chunk's crc32 checked
+    first): a weights-only start (the runner's load_checkpoint pointing at an engine.save folder)."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    from .sharded import _verify, read_manifest
+
+    man = read_manifest(ckpt_dir)
+    data = os.path.join(ckpt_dir, man["data"])
+    md = FileSystemReader(data).read_metadata()
+    _verify(data, md, man.get("checksums") or {}, 0, 1, ckpt_dir)
+    sd = {k: torch.empty(tuple(m.size), dtype=torch.float32) for k, m in md.state_dict_metadata.items()
+          if k.endswith("/fp32")}
+    load(sd, storage_reader=FileSystemReader(data), no_dist=True)
+    return {k[:-len("/fp32")]: v for k, v in sd.items()}
+
+
 def _safetensors_bytes(tensors: dict) -> bytes:
     from safetensors.torch import save
 

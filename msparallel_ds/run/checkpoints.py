@@ -1,4 +1,5 @@
-"""CheckpointMonitor: engine.save every save_checkpoint_steps into output_dir/checkpoint/step_<k>, the trainer's own
+"""CheckpointMonitor: engine.save every save_checkpoint_steps into output_dir/checkpoint/step_<k> (sharded, each rank
+its own chunks through torch.distributed.checkpoint: MindFormers' default integrated_save: False), the trainer's own
 state beside it (step, data position, each rank's RNG), keep_checkpoint_max honoured. A checkpoint is complete once
 its folder is renamed from step_<k>.partial (after every rank's part is written); the oldest complete one is removed
 only then. Only engine.save / engine.load are used, so the saver behind them can change."""
@@ -72,7 +73,7 @@ class CheckpointMonitor:
             for stale in (tmp, final):  # a crash mid-save, or a rerun of the same step
                 shutil.rmtree(stale, ignore_errors=True)
         dist.barrier()
-        engine.save(tmp)
+        engine.save(tmp, sharded=True)
         torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{self.rank}.pt"))
         dist.barrier()
         if self.rank == 0:

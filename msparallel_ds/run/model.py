@@ -22,8 +22,8 @@ def _is_hf_folder(path: Optional[str]) -> bool:
 
 
 def _is_engine_save(path: str) -> bool:
-    from ..checkpoint.format import FILE
-    return os.path.isfile(os.path.join(path, FILE))
+    from ..checkpoint.folder import has_checkpoint
+    return has_checkpoint(path)
 
 
 def check_sources(raw: Mapping) -> None:
@@ -60,6 +60,14 @@ def build_model(raw: Mapping, run_yaml: str, seed: int) -> torch.nn.Module:
 
 def _weights(src: str, raw: Mapping, run_yaml: str) -> dict:
     if os.path.isdir(src) and _is_engine_save(src):  # weights only: resume_training restores the rest
+        from ..checkpoint.folder import checkpoint_kind
+        kind = checkpoint_kind(src)
+        if kind == "sharded":
+            from ..checkpoint.merged import read_weights
+            return read_weights(src)
+        if kind == "converted":
+            raise _err("load_checkpoint", src, "is a convert-checkpoint folder (pre-sliced for one layout)",
+                       "point load_checkpoint at the engine.save folder it came from, or an HF folder")
         from ..checkpoint.format import FILE, FORMAT, read_checkpoint_file
         ck = read_checkpoint_file(os.path.join(src, FILE), FORMAT)
         return {name: rec["fp32"] for name, rec in ck["params"].items()}
