@@ -15,7 +15,7 @@ from .adam import AdamWeightDecay, PmaAdamW
 from .groups import param_groups
 from .types import family, yaml_betas
 
-__all__ = ["build_optimizer", "optimizer_spec"]
+__all__ = ["build_optimizer", "optimizer_spec", "yaml_groups"]
 
 _CLASSES: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict]] = {
     "adamw": (torch.optim.AdamW, {}), "no_bias": (AdamWeightDecay, {"bias_correction": False}),
@@ -63,6 +63,15 @@ def grouped_patterns(cfg) -> Optional[list[list[str]]]:
     return [list(item.params) for item in g.grouped]
 
 
+def yaml_groups(model: nn.Module, cfg, weight_decay: float) -> list[dict]:
+    """MindFormers' groups over `model`'s trainable parameters, as the YAML's optimizer type then applies them."""
+    groups = param_groups(model, weight_decay, grouped_patterns(cfg))
+    if family(cfg.optimizer.type).decay_all:
+        for group in groups:
+            group["weight_decay"] = weight_decay
+    return groups
+
+
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     """The YAML's optimizer (`cfg`: path, dict, YAML text or ParallelConfig) over `model`'s trainable parameters in
     MindFormers' groups (no decay for 1-D / `.bias` / the model's no_weight_decay names; grouped_lr_schedule
@@ -71,7 +80,6 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
 
     cfg = cfg if isinstance(cfg, ParallelConfig) else load_config(cfg)
     cls, kwargs = optimizer_spec(cfg)
-    groups = param_groups(model, kwargs["weight_decay"], grouped_patterns(cfg))
-    optimizer = cls(groups, **kwargs)
+    optimizer = cls(yaml_groups(model, cfg, kwargs["weight_decay"]), **kwargs)
     optimizer.mindformers_type = cfg.optimizer.type
     return optimizer

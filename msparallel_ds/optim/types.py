@@ -5,7 +5,7 @@
 | AdamW (2.x, 1.3.2; `use_fused` too) | core/optim/adamw.py: bias correction, decoupled decay | torch.optim.AdamW |
 | PmaAdamW, FusedPmaAdamW (2.x) | pma_adamw.py: AdamW + EMA/SMA weight fusion | optim.adam.PmaAdamW |
 | FP32StateAdamWeightDecay, FusedAdamWeightDecay, AdamWeightDecay, 1.x `adamw`, `fp32_adamw`, `fused_adamw` | nn.AdamWeightDecay maths: no bias correction | optim.adam.AdamWeightDecay |
-| AdamWeightDecayX (research/qwen) | bias correction, eps outside it | AdamWeightDecay(bias_correction=True) |
+| AdamWeightDecayX (research/qwen) | bias correction, eps outside it; decay on every parameter | AdamWeightDecay(bias_correction=True) |
 """
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ __all__ = ["OPTIMIZER_TYPES", "Family", "family", "yaml_betas"]
 class Family:
     name: str  # "adamw" (torch AdamW maths), "no_bias" (nn.AdamWeightDecay), "adam_x", "pma"
     eps: float  # MindFormers' default eps for the type
+    decay_all: bool = False  # the class overwrites the groups' weight decay with its own (every parameter decays)
 
 
-ADAMW, NO_BIAS, ADAM_X, PMA = Family("adamw", 1e-8), Family("no_bias", 1e-6), Family("adam_x", 1e-8), \
+# AdamWeightDecayX's __init__ sets self.weight_decay = weight_decay after the groups: MindSpore decays every parameter
+ADAMW, NO_BIAS, ADAM_X, PMA = Family("adamw", 1e-8), Family("no_bias", 1e-6), Family("adam_x", 1e-8, True), \
     Family("pma", 1e-8)
 _TYPES = {
     "AdamW": ADAMW, "PmaAdamW": PMA, "FusedPmaAdamW": PMA,
