@@ -58,11 +58,10 @@ def _optimizer_parts(optimizer, plan, view: nn.Module):
     """(optimizer class, its defaults, params or groups) from a callable params -> Optimizer, an Optimizer, or None
     (the YAML's: msp.build_optimizer's class and MindFormers' groups over this stage's parameters)."""
     if optimizer is None:
-        from ..optim.build import grouped_patterns, optimizer_spec
-        from ..optim.groups import param_groups
+        from ..optim.build import optimizer_groups, optimizer_spec
 
         cls, kwargs = optimizer_spec(plan.config)
-        return cls, kwargs, param_groups(view, kwargs["weight_decay"], grouped_patterns(plan.config))
+        return cls, kwargs, optimizer_groups(view, plan.config, cls, kwargs)
     if isinstance(optimizer, torch.optim.Optimizer):
         probe = optimizer
     else:
