@@ -293,7 +293,9 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer:
     if isinstance(optimizer, torch.optim.Optimizer):
         opt = optimizer
     elif optimizer is None:
-        opt = build_optimizer(model, plan.config)
+        from .optim.muon import zero_for_muon
+
+        opt = zero_for_muon(build_optimizer(model, plan.config), layout, ds_config)  # Muon: whole-matrix ZeRO-1
     else:
         opt = optimizer(params)
     if lr_scheduler is None:

@@ -101,12 +101,21 @@ def test_muon_and_adamw_split_of_a_model():
 
 
 @pytest.mark.parametrize("extra, match", [
-    ({"parallel": {"enable_parallel_optimizer": True}}, "parallel.enable_parallel_optimizer=True is not supported"),
+    ({"optimizer": {"type": "Muon", "swap": True}},
+     "optimizer.swap=True is not supported"),
     ({"parallel_config": {"model_parallel": 2}}, "parallel_config.model_parallel=2 is not supported"),
 ])
 def test_refused_layouts(extra, match):
+    cfg = _cfg(**extra)
+    cfg["optimizer"] = {**_cfg()["optimizer"], **extra.get("optimizer", {})}
     with pytest.raises(ValueError, match=match):
-        msp.build_optimizer(Toy(FIX["init"]), _cfg(**extra))
+        msp.build_optimizer(Toy(FIX["init"]), cfg)
+
+
+def test_level3_runs_as_level1_with_a_warning():
+    cfg = _cfg(parallel={"enable_parallel_optimizer": True, "parallel_optimizer_config": {"optimizer_level": "level3"}})
+    with pytest.warns(UserWarning, match="optimizer_level=level3 runs as level1"):
+        msp.build_optimizer(Toy(FIX["init"]), cfg)
 
 
 def test_muon_without_its_groups_is_refused():
@@ -124,17 +133,24 @@ def test_keys_muon_py_does_not_read_warn():
     assert "optimizer.ns_coefficients" in text and "qk_clip_enabled" in text
 
 
-def _engine_run(rank, world):
+def _engine_run(rank, world, zero=False):
     """world 1: msp.initialize against MindSpore's trajectory, and a ZeRO override refused after DeepSpeed; world 2:
-    dp2 (no ZeRO), rank r on step + r's gradients, against one process on their mean, 3 steps."""
+    dp2 (zero: optimizer parallel level1, run as ZeroRedundancyOptimizer), rank r on step + r's gradients, against
+    one process on their mean, 3 steps."""
     import warnings
 
     warnings.simplefilter("ignore")
-    cfg = _cfg(parallel_config={"data_parallel": world})
+    extra = {"parallel_config": {"data_parallel": world}}
+    if zero:
+        extra["parallel"] = {"enable_parallel_optimizer": True,
+                             "parallel_optimizer_config": {"optimizer_level": "level1"}}
+    cfg = _cfg(**extra)
     model = Toy(FIX["init"])
     engine = msp.initialize(model, cfg)
-    engine.optimizer.ns_dtype = torch.float32
-    out = {"type": type(engine.optimizer).__name__}
+    base = getattr(engine.optimizer, "optim", engine.optimizer)  # ZeroRedundancyOptimizer's local Muon
+    base.ns_dtype = torch.float32
+    out = {"type": type(engine.optimizer).__name__, "local": type(base).__name__,
+           "local_params": sum(len(g["params"]) for g in base.param_groups)}
     if world == 1:
         worst = 0.0
         for step, ref in enumerate(FIX["trajectory"]):
@@ -173,6 +189,12 @@ def test_initialize_one_process_matches_mindformers():
     assert "flat parameter partitions" in res["zero"], res
 
 
-def test_dp2_matches_one_process():
-    for res in run_distributed(_engine_run, 2, timeout=150):
-        assert res["type"] == "Muon" and res["worst"] <= RTOL, res
+@pytest.mark.parametrize("zero", [False, True], ids=["dp2", "dp2-zero1"])
+def test_dp2_matches_one_process(zero):
+    results = run_distributed(_engine_run, 2, zero, timeout=150)
+    for res in results:
+        assert res["local"] == "Muon" and res["worst"] <= RTOL, res
+    if zero:  # the state is sharded by whole parameters: each rank steps only its own
+        assert {r["type"] for r in results} == {"ZeroRedundancyOptimizer"}
+        assert sum(r["local_params"] for r in results) == len(FIX["init"]), results
+        assert all(0 < r["local_params"] < len(FIX["init"]) for r in results), results

@@ -13,8 +13,11 @@ clamp) differently; torch's is 2-D only and DeepSpeed scales by sqrt(max(1, rows
 zeropower_via_newtonschulz5 has MindFormers' exact iteration but picks its dtype from the accelerator, so it cannot
 run the float32 iteration the MindSpore fixture needs. The iteration below is the same ten lines.
 
-Every matrix must be whole at step time: ZeRO-1/2 hands the optimizer flat partitions and tensor parallel shards
-matrices, so both are refused (check_muon_layout before any weights exist, check_whole_matrices after DeepSpeed).
+Every matrix must be whole at step time. DeepSpeed's ZeRO hands the optimizer flat partitions (and its own ZeRO Muon
+computes DeepSpeed's update, not this one), so optimizer parallel level1/2 runs as torch's ZeroRedundancyOptimizer
+over dp x cp (zero_for_muon: each rank steps whole parameters, then broadcasts them; DeepSpeed at stage 0; level2/3
+warn and run so), offload and tensor parallel (sharded matrices) are refused (check_muon_layout before any weights exist,
+check_whole_matrices after DeepSpeed).
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-__all__ = ["Muon", "muon_groups", "check_muon_layout", "check_whole_matrices", "zeropower_via_newtonschulz5"]
+__all__ = ["Muon", "muon_groups", "check_muon_layout", "check_whole_matrices", "zero_for_muon",
+           "zeropower_via_newtonschulz5"]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5  # muon.py's loop is range(5): its ns_steps argument is stored and never read
@@ -144,13 +148,18 @@ def muon_groups(model: nn.Module, groups: Iterable[dict]) -> list[dict]:
 
 def check_muon_layout(cfg) -> None:
     """Refuse, before any weights exist, the layouts where a Muon matrix would not be whole at step time."""
-    opt = cfg.optimizer
-    if cfg.parallel.enable_parallel_optimizer:
+    opt, poc = cfg.optimizer, cfg.parallel.parallel_optimizer_config
+    if opt.swap:  # offload (with or without enable_parallel_optimizer) is DeepSpeed ZeRO
         raise ValueError(
-            "optimizer.type=Muon with parallel.enable_parallel_optimizer=True is not supported: ZeRO hands the "
-            "optimizer flat partitions, and Newton-Schulz needs each whole matrix (DeepSpeed's ZeRO Muon computes a "
-            "different update: EMA momentum, sqrt(max(1, rows/cols)) scale); set parallel.enable_parallel_optimizer: "
-            "False (data parallel then keeps the whole optimizer state on every rank)")
+            "optimizer.type=Muon with optimizer.swap=True is not supported: DeepSpeed's optimizer offload needs its "
+            "ZeRO, whose flat partitions Newton-Schulz cannot use (it needs each whole matrix); set optimizer.swap: "
+            "False")
+    if cfg.parallel.enable_parallel_optimizer and poc.optimizer_level != "level1":
+        warnings.warn(
+            f"optimizer.type=Muon with parallel_optimizer_config.optimizer_level={poc.optimizer_level} runs as level1: "
+            "Newton-Schulz needs whole matrices, so the optimizer state is sharded by whole parameters over "
+            "data_parallel x context_parallel (torch ZeroRedundancyOptimizer) and parameters and gradients stay whole "
+            "on every rank (more memory than the plan's ZeRO estimate)", stacklevel=3)
     if cfg.parallel_config.model_parallel > 1:
         raise ValueError(
             f"optimizer.type=Muon with parallel_config.model_parallel={cfg.parallel_config.model_parallel} is not "
@@ -174,5 +183,32 @@ def check_whole_matrices(optimizer: torch.optim.Optimizer) -> None:
             raise ValueError(
                 "optimizer.type=Muon got flat parameter partitions (a ZeRO stage > 0 from parallel."
                 "enable_parallel_optimizer or a deepspeed_config override, or DeepSpeed's fused fp16/bf16 optimizer "
-                "wrapper): Newton-Schulz needs each whole matrix; set parallel.enable_parallel_optimizer: False and "
-                "drop zero_optimization overrides")
+                "wrapper): Newton-Schulz needs each whole matrix; drop zero_optimization overrides, or let msp.initialize "
+                "build the YAML's Muon (optimizer=None), which runs parallel.enable_parallel_optimizer as "
+                "torch's ZeroRedundancyOptimizer over whole parameters")
+
+
+def zero_for_muon(opt: torch.optim.Optimizer, layout, ds_config: dict) -> torch.optim.Optimizer:
+    """Muon under optimizer parallel (any level): ZeroRedundancyOptimizer over dp x cp instead of DeepSpeed's ZeRO
+    (whose flat partitions Newton-Schulz cannot use); `ds_config` is set to stage 0 in place."""
+    zero = ds_config.get("zero_optimization") or {}
+    if not isinstance(opt, Muon) or not zero.get("stage"):
+        return opt
+    if layout.size("ep") > 1:
+        raise ValueError(
+            f"optimizer.type=Muon with parallel.enable_parallel_optimizer=True and parallel_config.expert_parallel="
+            f"{layout.size('ep')}: Muon's optimizer parallel (whole parameters over data_parallel x context_parallel) "
+            "would overwrite experts, which differ across those ranks; set parallel.enable_parallel_optimizer: False")
+    ds_config["zero_optimization"] = {"stage": 0}
+    if layout.size("dp_cp") == 1:
+        return opt
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    d = opt.defaults
+    kwargs = dict(lr=d["lr"], weight_decay=d["weight_decay"], matched_adamw_rms=d["matched_adamw_rms"],
+                  momentum=d["momentum"], nesterov=d["nesterov"], adamw_betas=d["betas"], adamw_eps=d["eps"],
+                  ns_dtype=opt.ns_dtype)
+    zero_opt = ZeroRedundancyOptimizer(opt.param_groups, optimizer_class=Muon, process_group=layout.group("dp_cp"),
+                                       **kwargs)
+    zero_opt.mindformers_type = getattr(opt, "mindformers_type", "Muon")
+    return zero_opt
