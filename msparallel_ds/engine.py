@@ -299,7 +299,9 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer:
     if isinstance(optimizer, torch.optim.Optimizer):
         opt = optimizer
     elif optimizer is None:
-        opt = build_optimizer(model, plan.config)
+        from .optim.muon import zero_for_muon
+
+        opt = zero_for_muon(build_optimizer(model, plan.config), layout, ds_config)  # Muon: whole-matrix ZeRO-1
     else:
         opt = optimizer(params)
     if lr_scheduler is None:
@@ -309,4 +311,7 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer:
     with deepspeed_moe(model, layout, opt):  # expert parameters reduced over the expert-data-parallel group
         ds_engine, _, _, sched = deepspeed.initialize(model=model, optimizer=opt, model_parameters=params,
                                                        config=ds_config, mpu=layout.mpu(), lr_scheduler=lr_scheduler)
+    from .optim.muon import check_whole_matrices
+
+    check_whole_matrices(opt)  # Muon's Newton-Schulz needs whole matrices: no ZeRO flat partitions
     return Engine(ds_engine, layout, plan, applied_to(model), sched)

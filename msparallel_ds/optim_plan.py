@@ -27,8 +27,13 @@ def optimizer_entry(cfg: ParallelConfig) -> Optional[dict[str, Any]]:
         return {"type": opt.type, "mindformers_type": opt.type, "runs_as": None, "error": str(exc),
                 "params": {k: v for k, v in {"lr": lr, "eps": opt.eps, "weight_decay": opt.weight_decay}.items()
                            if v is not None}}
+    if fam.name == "muon":  # Muon's AdamW part reads adamw_betas / adamw_eps (optim/build.py)
+        betas, eps = tuple(opt.adamw_betas or (0.95, 0.95)), opt.adamw_eps
+        opt = opt.model_copy(update={"eps": eps})
     params: dict[str, Any] = {"lr": lr, "betas": list(betas), "eps": fam.eps if opt.eps is None else opt.eps,
                               "weight_decay": opt.weight_decay or 0.0}
+    if fam.name == "muon":
+        params.update(matched_adamw_rms=opt.matched_adamw_rms, momentum=opt.momentum, nesterov=opt.nesterov)
     kind, runs_as = opt.type, _RUNS_AS[fam.name]
     if fam.name in ("adamw", "no_bias"):
         kind = "AdamW"
@@ -39,7 +44,7 @@ def optimizer_entry(cfg: ParallelConfig) -> Optional[dict[str, Any]]:
 
 
 _RUNS_AS = {"adamw": "torch.optim.AdamW", "no_bias": "AdamWeightDecay (no bias correction)",
-            "adam_x": "AdamWeightDecay(bias_correction=True)", "pma": "PmaAdamW"}
+            "adam_x": "AdamWeightDecay(bias_correction=True)", "pma": "PmaAdamW", "muon": "Muon (optim.muon)"}
 
 
 def lr_schedule_entry(cfg: ParallelConfig) -> Optional[dict[str, Any]]:

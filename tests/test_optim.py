@@ -155,7 +155,7 @@ def test_grouped_lr_schedule():
 
 
 @pytest.mark.parametrize("optimizer, match", [
-    ({"type": "Muon"}, "optimizer.type='Muon'.*not yet built"),
+    ({"type": "Came"}, "optimizer.type='Came'.*not yet built"),
     ({"type": "SGDX"}, "optimizer.type='SGDX'.*FP32StateAdamWeightDecay"),
     ({"type": "AdamW", "betas": [0.9, 0.95], "beta2": 0.999, "learning_rate": 1e-3}, "optimizer.betas"),
     ({"type": "AdamW"}, "optimizer.learning_rate"),

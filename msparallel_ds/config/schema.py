@@ -156,6 +156,17 @@ class OptimizerConfig(_Section):
     interleave_step: Optional[Count] = None
     fused_algo: Optional[Literal["ema", "sma"]] = None
     ema_alpha: Optional[Number] = None
+    # Muon (2.1 core/optim/muon.py; the deepseek4 configs)
+    matched_adamw_rms: Optional[Number] = None
+    momentum: Optional[Number] = None
+    nesterov: Optional[StrictBool] = None
+    adamw_betas: Optional[tuple[Number, Number]] = None
+    adamw_eps: Optional[Number] = None
+    ns_steps: Optional[Count] = None  # stored and never read by 2.1's muon.py (optim.muon warns)
+    ns_coefficients: Optional[list[Any]] = None  # not read by 2.1's muon.py either
+    comm_strategy: Optional[str] = None
+    qk_clip_enabled: Optional[StrictBool] = None
+    qk_clip_threshold: Optional[Number] = None
 
 
 class LrSchedule(_Section):

@@ -5,7 +5,7 @@ from .lr import LR_TYPES
 from .types import OPTIMIZER_TYPES
 
 _LAZY = {"AdamWeightDecay": "adam", "PmaAdamW": "adam", "build_optimizer": "build", "optimizer_spec": "build",
-         "param_groups": "groups", "MindFormersLR": "scheduler", "build_lr_scheduler": "scheduler",
+         "param_groups": "groups", "Muon": "muon", "MindFormersLR": "scheduler", "build_lr_scheduler": "scheduler",
          "check_optim": "scheduler"}
 
 
@@ -17,5 +17,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'msparallel_ds.optim' has no attribute {name!r}")
 
 
-__all__ = ["AdamWeightDecay", "LR_TYPES", "MindFormersLR", "OPTIMIZER_TYPES", "PmaAdamW", "build_lr_scheduler",
+__all__ = ["AdamWeightDecay", "LR_TYPES", "MindFormersLR", "Muon", "OPTIMIZER_TYPES", "PmaAdamW", "build_lr_scheduler",
            "build_optimizer", "check_optim", "optimizer_spec", "param_groups"]

@@ -15,7 +15,7 @@ from .adam import AdamWeightDecay, PmaAdamW
 from .groups import param_groups
 from .types import family, yaml_betas
 
-__all__ = ["build_optimizer", "optimizer_spec", "yaml_groups"]
+__all__ = ["build_optimizer", "optimizer_groups", "optimizer_spec"]
 
 _CLASSES: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict]] = {
     "adamw": (torch.optim.AdamW, {}), "no_bias": (AdamWeightDecay, {"bias_correction": False}),
@@ -42,6 +42,8 @@ def optimizer_spec(cfg) -> tuple[Callable[..., torch.optim.Optimizer], dict[str,
         raise ValueError("the YAML has no `optimizer:` section; add one (e.g. type: AdamW) or pass "
                          "msp.initialize(..., optimizer=lambda params: torch.optim.AdamW(params, lr=...))")
     fam = family(opt.type)
+    if fam.name == "muon":
+        return _muon_spec(cfg)
     cls, extra = _CLASSES[fam.name]
     kwargs: dict[str, Any] = dict(lr=_learning_rate(cfg), betas=yaml_betas(opt),
                                   eps=float(fam.eps if opt.eps is None else opt.eps),
@@ -50,6 +52,36 @@ def optimizer_spec(cfg) -> tuple[Callable[..., torch.optim.Optimizer], dict[str,
         kwargs.update({k: getattr(opt, k) for k in ("fused_num", "interleave_step", "fused_algo", "ema_alpha")
                        if getattr(opt, k) is not None})
     return cls, kwargs
+
+
+def _muon_spec(cfg):
+    from .muon import Muon, check_muon_layout
+
+    opt = cfg.optimizer
+    check_muon_layout(cfg)
+
+    def pick(value, default):  # muon.py's defaults where the YAML is silent
+        return default if value is None else value
+
+    return Muon, dict(lr=_learning_rate(cfg), weight_decay=float(opt.weight_decay or 0.0),
+                      matched_adamw_rms=float(pick(opt.matched_adamw_rms, 0.2)),
+                      momentum=float(pick(opt.momentum, 0.95)), nesterov=pick(opt.nesterov, True),
+                      adamw_betas=tuple(float(b) for b in pick(opt.adamw_betas, (0.95, 0.95))),
+                      adamw_eps=float(pick(opt.adamw_eps, 1e-8)))
+
+
+def optimizer_groups(model: nn.Module, cfg, cls, kwargs) -> list[dict]:
+    """MindFormers' groups for `cls` as the YAML's type applies them (AdamWeightDecayX: one decay for all; Muon: each
+    split into its Newton-Schulz and AdamW parts)."""
+    groups = param_groups(model, kwargs["weight_decay"], grouped_patterns(cfg))
+    if family(cfg.optimizer.type).decay_all:
+        for group in groups:
+            group["weight_decay"] = kwargs["weight_decay"]
+    if getattr(cls, "__name__", "") == "Muon":
+        from .muon import muon_groups
+
+        groups = muon_groups(model, groups)
+    return groups
 
 
 def grouped_patterns(cfg) -> Optional[list[list[str]]]:
@@ -63,15 +95,6 @@ def grouped_patterns(cfg) -> Optional[list[list[str]]]:
     return [list(item.params) for item in g.grouped]
 
 
-def yaml_groups(model: nn.Module, cfg, weight_decay: float) -> list[dict]:
-    """MindFormers' groups over `model`'s trainable parameters, as the YAML's optimizer type then applies them."""
-    groups = param_groups(model, weight_decay, grouped_patterns(cfg))
-    if family(cfg.optimizer.type).decay_all:
-        for group in groups:
-            group["weight_decay"] = weight_decay
-    return groups
-
-
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     """The YAML's optimizer (`cfg`: path, dict, YAML text or ParallelConfig) over `model`'s trainable parameters in
     MindFormers' groups (no decay for 1-D / `.bias` / the model's no_weight_decay names; grouped_lr_schedule
@@ -80,6 +103,6 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
 
     cfg = cfg if isinstance(cfg, ParallelConfig) else load_config(cfg)
     cls, kwargs = optimizer_spec(cfg)
-    optimizer = cls(yaml_groups(model, cfg, kwargs["weight_decay"]), **kwargs)
+    optimizer = cls(optimizer_groups(model, cfg, cls, kwargs), **kwargs)
     optimizer.mindformers_type = cfg.optimizer.type
     return optimizer

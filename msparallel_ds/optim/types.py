@@ -6,6 +6,7 @@
 | PmaAdamW, FusedPmaAdamW (2.x) | pma_adamw.py: AdamW + EMA/SMA weight fusion | optim.adam.PmaAdamW |
 | FP32StateAdamWeightDecay, FusedAdamWeightDecay, AdamWeightDecay, 1.x `adamw`, `fp32_adamw`, `fused_adamw` | nn.AdamWeightDecay maths: no bias correction | optim.adam.AdamWeightDecay |
 | AdamWeightDecayX (research/qwen) | bias correction, eps outside it; decay on every parameter | AdamWeightDecay(bias_correction=True) |
+| Muon (2.1, deepseek4) | muon.py: Newton-Schulz on hidden matrices, AdamW(adamw_betas) on the rest | optim.muon.Muon |
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ __all__ = ["OPTIMIZER_TYPES", "Family", "family", "yaml_betas"]
 
 @dataclass(frozen=True)
 class Family:
-    name: str  # "adamw" (torch AdamW maths), "no_bias" (nn.AdamWeightDecay), "adam_x", "pma"
+    name: str  # "adamw" (torch AdamW maths), "no_bias" (nn.AdamWeightDecay), "adam_x", "pma", "muon"
     eps: float  # MindFormers' default eps for the type
     decay_all: bool = False  # the class overwrites the groups' weight decay with its own (every parameter decays)
 
@@ -24,14 +25,14 @@ class Family:
 # AdamWeightDecayX's __init__ sets self.weight_decay = weight_decay after the groups: MindSpore decays every parameter
 ADAMW, NO_BIAS, ADAM_X, PMA = Family("adamw", 1e-8), Family("no_bias", 1e-6), Family("adam_x", 1e-8, True), \
     Family("pma", 1e-8)
+MUON = Family("muon", 1e-8)  # adamw_eps
 _TYPES = {
     "AdamW": ADAMW, "PmaAdamW": PMA, "FusedPmaAdamW": PMA,
     "FP32StateAdamWeightDecay": NO_BIAS, "fp32_adamw": NO_BIAS, "FusedAdamWeightDecay": NO_BIAS,
-    "fused_adamw": NO_BIAS, "AdamWeightDecay": NO_BIAS, "adamw": NO_BIAS, "AdamWeightDecayX": ADAM_X,
+    "fused_adamw": NO_BIAS, "AdamWeightDecay": NO_BIAS, "adamw": NO_BIAS, "AdamWeightDecayX": ADAM_X, "Muon": MUON,
 }
 OPTIMIZER_TYPES = tuple(_TYPES)
-_LATER = {"Muon": "MindFormers' Muon (core/optim/muon.py) is not yet built here (its own issue)",
-          "Came": "MindFormers' Came (core/optim/came.py) is not yet built here"}
+_LATER = {"Came": "MindFormers' Came (core/optim/came.py) is not yet built here"}
 
 
 def family(kind: str) -> Family:

@@ -58,10 +58,10 @@ def _optimizer_parts(optimizer, plan, view: nn.Module):
     """(optimizer class, its defaults, params or groups) from a callable params -> Optimizer, an Optimizer, or None
     (the YAML's: msp.build_optimizer's class and MindFormers' groups over this stage's parameters)."""
     if optimizer is None:
-        from ..optim.build import optimizer_spec, yaml_groups
+        from ..optim.build import optimizer_groups, optimizer_spec
 
         cls, kwargs = optimizer_spec(plan.config)
-        return cls, kwargs, yaml_groups(view, plan.config, kwargs["weight_decay"])
+        return cls, kwargs, optimizer_groups(view, plan.config, cls, kwargs)
     if isinstance(optimizer, torch.optim.Optimizer):
         probe = optimizer
     else:
