@@ -95,3 +95,42 @@ def test_shift_labels_match_single_process():
                                                                                           ref_losses)
             if got["state"]:  # rank 0 holds the gathered state
                 assert max((got["state"][k] - v).abs().max().item() for k, v in ref_state.items()) <= 5e-5, name
+
+
+def test_summed_copies_count_shifted_targets_as_they_are():
+    """copy_loss_terms (MindSpore's summed copies) weighs each copy by its valid targets: the same whether it gets
+    HF labels (shifted there) or the already shifted targets."""
+    import torch
+    import torch.nn.functional as F
+
+    from msparallel_ds.interleave.multi_copy import copy_loss_terms
+    from msparallel_ds.labels import shift_labels
+
+    ids, targets = _batch(0, 4)
+    targets[2:, : SEQ // 2] = -100  # copy 1 holds fewer targets than copy 0
+    logits = torch.randn(4, SEQ, VOCAB)
+
+    def loss_sum(lg, tg):
+        return F.cross_entropy(lg.flatten(0, 1), tg.flatten(), ignore_index=-100, reduction="sum")
+
+    want = sum(loss_sum(lg, tg) / (tg != -100).sum() for lg, tg in zip(logits.chunk(2), targets.chunk(2)))
+    got = copy_loss_terms(loss_sum, logits, targets, targets, 2, shifted=True)
+    assert torch.allclose(got, want)
+    labels = torch.cat([torch.zeros(4, 1, dtype=torch.long), targets], 1)[:, :SEQ]  # shifts to targets, last lost
+    assert torch.equal(shift_labels(labels)[:, :-1], targets[:, :-1])
+    assert not torch.allclose(copy_loss_terms(loss_sum, logits, targets, labels, 2), want)
+
+
+def test_shift_labels_of_another_shape_is_a_clear_error():
+    from types import SimpleNamespace
+
+    import torch
+
+    from msparallel_ds.loss import check_batch
+
+    engine = SimpleNamespace(micro_batch_size=2, gradient_accumulation_steps=1, check_batch_agreement=False)
+    ids = torch.ones(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"shift_labels shape \(2, 7\) != input_ids shape \(2, 8\)"):
+        check_batch({"input_ids": ids, "shift_labels": ids[:, 1:]}, engine, "runner_config.gradient_accumulation_steps")
+    with pytest.raises(TypeError, match="shift_labels"):
+        check_batch({"input_ids": ids, "shift_labels": ids.float()}, engine, "x")
