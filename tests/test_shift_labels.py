@@ -1,7 +1,8 @@
 """engine.train_batch with already shifted targets (`shift_labels` [rows, S], HF's convention: token t's target, -100
 for none), as MindFormers trains rows of seq_length + 1 tokens (input_ids[:, :-1] on input_ids[:, 1:]: S targets a
-row, the last position included). dp2 x tp2 with two interleaved copies and pp2 x cp2 ring with two micro-batches, on
-4 gloo processes, equal one process's global token mean over 3 AdamW steps.
+row, the last position included). dp2 x tp2 with two interleaved copies, dp2 x cp2 ring with gradient accumulation
+and pp2 x cp2 ring with two micro-batches, on 4 gloo processes, equal one process's global token mean over 3 AdamW
+steps.
 """
 import pytest
 from engine_cases import BETAS, EPS, LR, SEQ, VOCAB, tiny_config, tiny_model
@@ -12,6 +13,7 @@ pytestmark = pytest.mark.distributed
 STEPS = 3
 LAYOUTS = {  # name -> (tiny_config kwargs, pipeline_stage / micro_batch_num / micro_batch_interleave_num)
     "dp2xtp2_sp_2copies": (dict(dp=2, tp=2, sp=True, bs=2), dict(mbi=2)),
+    "dp2xcp2_ring_gas2": (dict(dp=2, cp=2, ring=True, gas=2), {}),
     "pp2xcp2_ring_mbn2": (dict(cp=2, ring=True), dict(pp=2, mbn=2)),
 }
 
