@@ -99,6 +99,12 @@ class Engine:
         ids, labels = self._check_batch(batch)
         dp, gas = self.layout.size("dp"), self.gradient_accumulation_steps
         mtp = self.applied.mtp  # each MTP depth's token count joins the LM's in one all-reduce
+        shifted = batch.get("shift_labels") is not None  # already shifted targets (S per row) win over labels
+        if shifted:
+            if mtp is not None:
+                raise ValueError("train_batch: batch['shift_labels'] with MTP (mtp_depth > 0) is not supported; "
+                                 "pass HF-style batch['labels'] instead")
+            labels = batch["shift_labels"]
         all_labels = [labels, *(mtp.shifted_labels(labels) if mtp is not None else [])]
         interleave = self.applied.interleave
         summed_copies = interleave is not None and interleave.copy_loss == "sum"  # MindSpore's (interleave.multi_copy)
@@ -106,7 +112,7 @@ class Engine:
         # the step's loss sum (before the optimizer step). Both all-reduces run async, the count's behind the first
         # forward, the loss's behind the last backward; one blocking all-reduce of both after a single micro-batch's
         # forward measured slower (benchmarks/README.md, overhead): it adds a rendezvous mid-step.
-        counts_ready = start_global_token_counts(all_labels, self.layout, self.device)
+        counts_ready = start_global_token_counts(all_labels, self.layout, self.device, shifted=shifted)
         counts = None
         mtp_total = torch.zeros(len(all_labels) - 1, dtype=torch.float32, device=self.device)
         if not self.model.training:  # the recursive walk costs ~0.3 ms a step on a tiny model; once is enough
@@ -122,7 +128,8 @@ class Engine:
             if summed_copies:
                 from .interleave.multi_copy import copy_loss_terms
 
-                loss = copy_loss_terms(self._token_loss_sum, logits, targets, labels[rows], interleave.copies)
+                loss = copy_loss_terms(self._token_loss_sum, logits, targets, labels[rows], interleave.copies,
+                                       shifted=shifted)
                 total_ready = self._add_to_total(m, total, loss)
                 self.ds.backward(loss / gas, scale_wrt_gas=False)
                 self._before_step(m, total_ready)

@@ -81,6 +81,11 @@ def _local_check(batch: Mapping[str, Any], engine, accumulation_key: str) -> tup
     labels = _integer_tensor(batch.get("labels", ids), "labels")
     if labels.shape != ids.shape:
         raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(ids.shape)}")
+    if batch.get("shift_labels") is not None:  # already shifted targets (HF's convention); they win over labels
+        targets = _integer_tensor(batch["shift_labels"], "shift_labels")
+        if targets.shape != ids.shape:
+            raise ValueError(f"shift_labels shape {tuple(targets.shape)} != input_ids shape {tuple(ids.shape)} "
+                             f"(position t holds token t's target, {IGNORE_INDEX} for none)")
     return ids, labels
 
 
@@ -155,25 +160,28 @@ def _disagreement(dim: str, rows: list[list[int]], ranks: tuple[int, ...]) -> st
     return "; ".join(parts)
 
 
-def global_token_count(labels: Tensor, layout: ParallelLayout, device) -> Tensor:
+def global_token_count(labels: Tensor, layout: ParallelLayout, device, *, shifted: bool = False) -> Tensor:
     """Valid (shifted, not ignored) tokens of the global batch from this dp rank's labels, at least 1, fp32; tp
-    and cp peers of a dp rank hold the same rows, so the sum runs over dp only."""
-    return global_token_counts([labels], layout, device)[0]
+    and cp peers of a dp rank hold the same rows, so the sum runs over dp only. shifted=True: `labels` are
+    already shifted targets (a batch's `shift_labels`), counted as they are."""
+    return global_token_counts([labels], layout, device, shifted=shifted)[0]
 
 
-def global_token_counts(labels: Sequence[Tensor], layout: ParallelLayout, device) -> Tensor:
+def global_token_counts(labels: Sequence[Tensor], layout: ParallelLayout, device, *, shifted: bool = False) -> Tensor:
     """global_token_count of several label tensors (e.g. the LM's and each MTP depth's) with one all-reduce."""
-    return start_global_token_counts(labels, layout, device)()
+    return start_global_token_counts(labels, layout, device, shifted=shifted)()
 
 
-def _local_counts(labels: Sequence[Tensor], device) -> Tensor:
-    return torch.stack([(shift_labels(t) != IGNORE_INDEX).sum() for t in labels]).to(torch.float32).to(device)
+def _local_counts(labels: Sequence[Tensor], device, shifted: bool) -> Tensor:
+    return torch.stack([((t if shifted else shift_labels(t)) != IGNORE_INDEX).sum()
+                        for t in labels]).to(torch.float32).to(device)
 
 
-def start_global_token_counts(labels: Sequence[Tensor], layout: ParallelLayout, device) -> Callable[[], Tensor]:
+def start_global_token_counts(labels: Sequence[Tensor], layout: ParallelLayout, device, *,
+                              shifted: bool = False) -> Callable[[], Tensor]:
     """global_token_counts with the all-reduce started now; the returned wait() gives the counts (the step's
     forward runs meanwhile, so the count costs no latency of its own)."""
-    wait = start_sum_over(layout, "dp", _local_counts(labels, device))
+    wait = start_sum_over(layout, "dp", _local_counts(labels, device, shifted))
     return lambda: wait().clamp_min(1.0)
 
 

@@ -108,16 +108,18 @@ def shard_batch(batch: Mapping[str, Any], layout: ParallelLayout, *, algo: Optio
 
 def inputs_and_targets(batch: Mapping[str, Any], layout: ParallelLayout) -> tuple[dict[str, Any], Tensor]:
     """A micro-batch -> (model inputs, shifted targets) for this rank: sharded over cp by shard_batch when cp > 1
-    (labels shifted before the split), else the batch without labels and the shifted labels; labels default to
-    input_ids."""
+    (labels shifted before the split), else the batch without labels and the shifted labels. Already shifted
+    targets (`shift_labels` [rows, S], HF's convention: position t's target, IGNORE_INDEX for none) are used as
+    given and win over `labels`; labels default to input_ids."""
     batch = dict(batch)
-    batch.setdefault("labels", batch["input_ids"])
+    if batch.get("shift_labels") is None:
+        batch["shift_labels"] = shift_labels(batch.get("labels", batch["input_ids"]))
+    batch.pop("labels", None)
     if layout.size("cp") > 1:
         inputs = shard_batch(batch, layout)
-        targets = inputs.pop("shift_labels")
     else:
-        inputs, targets = batch, shift_labels(batch.pop("labels"))
-        inputs.pop("shift_labels", None)
+        inputs = batch
+    targets = inputs.pop("shift_labels")
     inputs.pop("labels", None)
     return inputs, targets
 

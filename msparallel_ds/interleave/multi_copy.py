@@ -248,13 +248,15 @@ def installed(part: nn.Module) -> Optional[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------- summed copies
-def copy_loss_terms(token_loss_sum, logits: Tensor, targets: Tensor, labels: Tensor, n_copies: int) -> Tensor:
+def copy_loss_terms(token_loss_sum, logits: Tensor, targets: Tensor, labels: Tensor, n_copies: int, *,
+                    shifted: bool = False) -> Tensor:
     """MindSpore's summed-copies loss of one micro-batch on this rank: sum over the copies c of (copy c's token-loss
     sum on this rank's cp shard) / (copy c's valid tokens over its whole unsharded rows). `token_loss_sum(logits,
     targets)` is the engine's token-sum loss; `labels`: the micro-batch's unsharded labels (rows split like the
-    logits into n_copies)."""
+    logits into n_copies; shifted=True: already shifted targets, a batch's `shift_labels`)."""
     from ..labels import IGNORE_INDEX, shift_labels
 
-    counts = (shift_labels(labels) != IGNORE_INDEX).reshape(n_copies, -1).sum(1).clamp_min(1).tolist()
+    valid = (labels if shifted else shift_labels(labels)) != IGNORE_INDEX
+    counts = valid.reshape(n_copies, -1).sum(1).clamp_min(1).tolist()
     return sum(token_loss_sum(lg, tg) / cnt
                for lg, tg, cnt in zip(logits.chunk(n_copies, 0), targets.chunk(n_copies, 0), counts))

@@ -218,7 +218,9 @@ class PipelineEngine:
         (detached, float32) on every rank."""
         ids, targets, kwargs = self._inputs(batch)
         self._follow_batch_shape(ids)
-        self._n_tokens = global_token_count(batch.get("labels", batch["input_ids"]), self.layout, self.device)
+        shifted = batch.get("shift_labels") is not None  # already shifted targets (S per row) win over labels
+        labels = batch["shift_labels"] if shifted else batch.get("labels", batch["input_ids"])
+        self._n_tokens = global_token_count(labels, self.layout, self.device, shifted=shifted)
         for stage in self.stages:
             stage.submod.train()
         losses: list = []

@@ -34,8 +34,10 @@ class Trainer:
         dp, d = self.layout.size("dp"), self.layout.rank("dp")
         rows = open_train_dataset(raw, dp_rank=d, dp_size=dp)         # train_dataset
         mc = (raw.get("model") or {}).get("model_config") or {}
+        pad = mc.get("pad_token_id", 0)                              # LlamaConfig's default
         self.data = StepBatches(rows, plan.global_batch_size // dp, plan.global_batch_size,
-                                int(mc.get("seq_length") or 0), bool(mc.get("input_sliced_sig", False)))
+                                int(mc.get("seq_length") or 0), bool(mc.get("input_sliced_sig", False)),
+                                None if pad is None else int(pad))
         self.total_steps = spec.epochs * self.data.steps_per_epoch     # runner_config.epochs x samples / global batch
         self.stop = min(self.total_steps, spec.stop_after or self.total_steps)
         n_params = []
