@@ -97,16 +97,16 @@ def scale(raw: dict) -> tuple[dict, int]:
     mc.update({k: heads for k in _HEADS if k in mc})
     mha = all(mc.get(k) in (None, mc.get(_HEADS[0]), mc.get(_HEADS[1])) for k in _KV_HEADS)
     mc.update({k: (heads if mha else 4) for k in _KV_HEADS if k in mc and mc[k]})
-    mc.update({k: 8 for k in _EXPERTS if k in mc})
+    mc.update({k: 8 for k in _EXPERTS if isinstance(mc.get(k), int) and mc[k] > 1})
     if "n_group" in mc:
         mc["n_group"], mc["topk_group"] = min(int(mc["n_group"] or 1), 4), min(int(mc.get("topk_group") or 1), 2)
     if "first_k_dense_replace" in mc:
         mc["first_k_dense_replace"] = min(int(mc["first_k_dense_replace"] or 0), 1)
     mc.pop("offset", None)
     moe = r.get("moe_config") or {}
-    moe.update({k: 8 for k in ("expert_num",) if k in moe})
-    moe.update({k: 2 for k in ("num_experts_chosen",) if k in moe})
-    moe.update({k: 32 for k in ("moe_intermediate_size",) if k in moe})
+    if isinstance(moe.get("expert_num"), int) and moe["expert_num"] > 1:  # a real MoE (GLM YAMLs write expert_num: 1)
+        moe.update({"expert_num": 8, **{k: 2 for k in ("num_experts_chosen",) if k in moe},
+                    **{k: 32 for k in ("moe_intermediate_size",) if k in moe}})
     rec = r.get("recompute_config")
     if isinstance(rec, dict):  # per-stage lists keep pp entries, each at most the layers of a stage
         for k, v in rec.items():
@@ -114,7 +114,8 @@ def scale(raw: dict) -> tuple[dict, int]:
                 rec[k] = [min(x, layers // pp) for x in v[:pp]]
     if not Path(str(r.get("pretrained_model_dir") or "")).is_dir():
         r.pop("pretrained_model_dir", None)  # a path on the machine that ran it
-    return r, math.prod(deg.values())
+    world = math.prod(deg.values()) if r.get("use_parallel", True) else 1  # use_parallel: False runs on one device
+    return r, world
 
 
 def _worker(rank: int, world: int, yaml_path: str, send) -> list[float]:
