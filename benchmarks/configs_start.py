@@ -93,6 +93,9 @@ def scale(raw: dict) -> tuple[dict, int]:
     layers = max(2, 2 * pp * vpp)
     mc.update({k: v for k, v in _TINY.items() if k in mc})
     mc.update({k: layers for k in _LAYERS if k in mc})
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id", "eod_token_id"):  # ids inside the tiny vocab
+        if isinstance(mc.get(key), int) and mc[key] >= 256:
+            mc[key] = 255 - ("pad_token_id", "bos_token_id", "eos_token_id", "eod_token_id").index(key)
     heads = 8
     mc.update({k: heads for k in _HEADS if k in mc})
     mha = all(mc.get(k) in (None, mc.get(_HEADS[0]), mc.get(_HEADS[1])) for k in _KV_HEADS)
