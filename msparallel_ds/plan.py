@@ -17,9 +17,9 @@ from .config.schema import ParallelConfig
 from .memory import MemoryEstimate, estimate_memory, missing_shape_note, shape_notes
 from .moe.plan import expert_data_parallel, moe_notes
 from .optim_plan import activation_offload_entry, lr_schedule_entry, optimizer_entry
+from .plan_pynative import pynative_batch, pynative_layers, pynative_zero
+from .plan_recompute import RecomputePlan, recompute_plan
 
-DEFAULT_SELECT = [r"feed_forward\.mul", r"feed_forward\.w1\.activation\.silu"]  # MindFormers' defaults
-DEFAULT_SELECT_COMM = [r".*\.norm"]
 DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
@@ -63,6 +63,8 @@ class ZeroPlan:
     reduce_bucket_size: int = 500_000_000
     param_persistence_threshold: Optional[int] = None  # elements; from parallel_optimizer_threshold (KB)
     overlap_comm: bool = True
+    reshard_after_forward: bool = True  # ZeRO-3: parameters re-partitioned after forward (parallelism: policy)
+    downgrade: Optional[str] = None  # why the YAML's ZeRO-3 runs as ZeRO-2 (warned by msp.initialize)
 
 
 @dataclass(frozen=True)
@@ -71,19 +73,6 @@ class LossScalePlan:
     initial: float = 1.0
     factor: float = 2.0
     window: int = 1000
-
-
-@dataclass(frozen=True)
-class RecomputePlan:
-    """Full-layer recompute counts per [virtual chunk][stage] (first N layers of each), plus submodule patterns."""
-
-    mode: str  # none | full | layers | select
-    layers: Optional[list[list[int]]] = None
-    select: dict[str, Any] = field(default_factory=dict)  # pattern -> "all" | per-stage counts
-    select_comm: dict[str, Any] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "layers": self.layers, "select": self.select, "select_comm": self.select_comm}
 
 
 @dataclass(frozen=True)
@@ -118,6 +107,7 @@ class Plan:
                                     # are kept on the host between forward and backward
     moe: Any = None  # moe.settings.MoESettings (None: the YAML sets no MoE keys)
     expert_data_parallel: int = 1  # edp = dp x cp x tp / expert_parallel (moe/plan.py)
+    train_steps: Optional[int] = None  # training.steps (MindFormers 2.1 `training:`)
 
     @property
     def zero_stage(self) -> int:
@@ -148,6 +138,7 @@ class Plan:
             "param_dtype": self.param_dtype,
             "loss_scale": asdict(self.loss_scale),
             "gradient_clipping": self.gradient_clipping,
+            "train_steps": self.train_steps,
             "optimizer": self.optimizer,
             "lr_schedule": self.lr_schedule,
             "memory": self.memory.as_dict() if self.memory else None,
@@ -194,14 +185,21 @@ def make_plan(cfg: ParallelConfig | Any, world_size: Optional[int] = None) -> Pl
     else:
         mbn, gas = 1, cfg.runner_config.gradient_accumulation_steps
         global_batch = bs * mesh.dp * mbi * gas
+    pynative = pynative_batch(cfg, mesh.dp, pp)  # MindFormers 2.1 `training:`
+    if pynative is not None:
+        mbn, gas, global_batch = pynative
     sp = cfg.parallel_config.use_seq_parallel and tp > 1
     if cfg.parallel_config.use_seq_parallel and tp == 1:
         notes.append("use_seq_parallel has no effect with model_parallel=1")
     fgi = cfg.model.fine_grain_interleave if tp > 1 else 1
     n_layers = cfg.pipeline_layers
     layers = layers_per_stage(n_layers, pp, vpp, cfg.model.offset) if n_layers is not None else None
+    layers = pynative_layers(cfg, n_layers, pp, vpp) or layers
     zero = _zero(cfg, mesh, notes)
-    recompute = _recompute(cfg, pp, vpp, layers)
+    recompute = recompute_plan(cfg, pp, vpp, layers)
+    clip = cfg.runner_wrapper.max_grad_norm if cfg.runner_wrapper.use_clip_grad else None
+    if cfg.training is not None:  # MindFormers 2.1: training.max_norm > 0 clips (default 1.0)
+        clip = cfg.training.max_norm or None
     plan = Plan(
         config=cfg, world_size=world, mesh=mesh, expert_parallel=cfg.ep, cp_algo=_cp_algo(cfg),
         sequence_parallel=sp, vocab_parallel=tp > 1 and (not cfg.parallel_config.vocab_emb_dp or pp > 1),
@@ -210,7 +208,7 @@ def make_plan(cfg: ParallelConfig | Any, world_size: Optional[int] = None) -> Pl
         pp_schedule=_pp_schedule(cfg, pp, vpp), pp_virtual_stages=vpp if pp > 1 else 1, layers_per_stage=layers,
         recompute=recompute, compute_dtype=DTYPE_SHORT[cfg.model.compute_dtype],
         param_dtype=DTYPE_SHORT[cfg.model.param_init_type], loss_scale=_loss_scale(cfg, notes),
-        gradient_clipping=cfg.runner_wrapper.max_grad_norm if cfg.runner_wrapper.use_clip_grad else None,
+        gradient_clipping=clip, train_steps=cfg.training.steps if cfg.training is not None else None,
         optimizer=optimizer_entry(cfg), lr_schedule=lr_schedule_entry(cfg), memory=None, notes=(),
         activation_offload=activation_offload_entry(cfg, notes), moe=cfg.moe,
         expert_data_parallel=expert_data_parallel(cfg, mesh),
@@ -258,8 +256,10 @@ def _mesh(cfg: ParallelConfig, world_size: Optional[int], notes: list[str]) -> M
 
 def _dp_from_world(cfg: ParallelConfig) -> Optional[tuple[str, int]]:
     """(key, fixed factor) when MindFormers takes the data-parallel degree from the device count."""
-    if cfg.parallelism is not None and cfg.parallelism.data_parallel_shard == -1:
-        return "parallelism.data_parallel_shard", cfg.parallelism.data_parallel_replicate
+    src = cfg.parallelism
+    if src is not None and (src.data_parallel_shard == -1 or not src.replicate_written):
+        # MindFormers 2.1: data_parallel = world // (tensor x context x pipeline); the shard degree splits it
+        return "parallelism.data_parallel_shard", 1
     if cfg.use_parallel and cfg.parallel.parallel_mode == "data_parallel":
         return "parallel.parallel_mode", 1
     return None
@@ -305,13 +305,16 @@ def _zero(cfg: ParallelConfig, mesh: Mesh, notes: list[str]) -> ZeroPlan:
         stage = 1  # DeepSpeed offloads the optimizer of its ZeRO engines only
         notes.append("optimizer.swap without parallel.enable_parallel_optimizer: ZeRO-1 over data_parallel x "
                      f"context_parallel = {group} carries the host (CPU) offload of the optimizer state")
+    downgrade, reshard = None, True
+    if cfg.parallelism is not None:
+        stage, hpz, downgrade, reshard = pynative_zero(cfg, mesh.dp, mesh.cp, cfg.ep, stage, params, notes)
     offload_param = cfg.parallelism is not None and cfg.parallelism.cpu_offload
     if offload_param and stage != 3:
         offload_param = False
         notes.append("parallelism.cpu_offload offloads sharded parameters (data_parallel_shard > 1, ZeRO-3); ignored")
     return ZeroPlan(stage=stage, group_size=group, hpz_partition_size=hpz, reduce_bucket_size=bucket,
                     param_persistence_threshold=threshold, overlap_comm=stage > 0, offload_optimizer=swap,
-                    offload_param=offload_param)
+                    offload_param=offload_param, reshard_after_forward=reshard, downgrade=downgrade)
 
 
 def _params_per_rank(cfg: ParallelConfig, mesh: Mesh) -> Optional[int]:
@@ -334,74 +337,6 @@ def _pp_schedule(cfg: ParallelConfig, pp: int, vpp: int) -> Optional[str]:
     if sched == "gpipe":
         return "looped_bfs" if vpp > 1 else "gpipe"
     return sched
-
-
-def _per_stage(value: Any, pp: int, vpp: int, layers: Optional[list[list[int]]]) -> Any:
-    """MindFormers' recompute value -> "all", None, or [vpp][pp] counts of the first layers in each chunk."""
-    if value is True:
-        return "all"
-    if value is False or value == []:
-        return None
-    if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
-        return [list(row) + [0] * (pp - len(row)) for row in value]
-    if isinstance(value, list) and all(isinstance(v, int) for v in value):
-        counts = list(value) + [0] * (pp - len(value))
-        if layers is None:
-            return [counts] if vpp == 1 else counts
-        grid = [[0] * pp for _ in range(vpp)]
-        for j, n in enumerate(counts):
-            for i, got in enumerate(_round_robin(n, [layers[i][j] for i in range(vpp)])):
-                grid[i][j] = got
-        return grid
-    return "all"
-
-
-def _round_robin(n: int, caps: list[int]) -> list[int]:
-    """LayerSetting hands a stage's n recomputed layers to its virtual chunks one at a time, round-robin,
-    skipping full chunks. Closed form: every chunk gets min(cap, k) for the largest k that fits, and the
-    remaining layers go one each to the first chunks that still have room."""
-    n = min(n, sum(caps))
-    lo, hi = 0, max(caps, default=0)
-    while lo < hi:  # largest k with sum(min(c, k)) <= n
-        mid = (lo + hi + 1) // 2
-        if sum(min(c, mid) for c in caps) <= n:
-            lo = mid
-        else:
-            hi = mid - 1
-    got = [min(c, lo) for c in caps]
-    rest = n - sum(got)
-    for i, c in enumerate(caps):
-        if rest and c > lo:
-            got[i] += 1
-            rest -= 1
-    return got
-
-
-def _recompute(cfg: ParallelConfig, pp: int, vpp: int, layers) -> RecomputePlan:
-    rc = cfg.recompute_config
-    full = _per_stage(rc.recompute, pp, vpp, layers) if not isinstance(rc.recompute, dict) else None
-
-    def patterns(value: Any, defaults: list[str]) -> dict[str, Any]:
-        if value is False or value is None or value == []:
-            return {}
-        if isinstance(value, dict):
-            return {p: _per_stage(v, pp, vpp, layers) for p, v in value.items() if _per_stage(v, pp, vpp, layers)}
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return {p: "all" for p in value}
-        return {p: _per_stage(value, pp, vpp, layers) for p in defaults}
-
-    select = patterns(rc.select_recompute, DEFAULT_SELECT)
-    select_comm = patterns(rc.select_comm_recompute, DEFAULT_SELECT_COMM)
-    if full == "all":
-        mode = "full"
-    elif full:
-        mode = "layers"
-    elif select or select_comm:
-        mode = "select"
-    else:
-        mode, full = "none", None
-    return RecomputePlan(mode=mode, layers=None if full in (None, "all") else full, select=select,
-                         select_comm=select_comm)
 
 
 def _loss_scale(cfg: ParallelConfig, notes: list[str]) -> LossScalePlan:

@@ -78,6 +78,8 @@ def deepspeed_config(plan, layout: ParallelLayout, *, overrides: Optional[Mappin
                 warnings.warn(f"model.model_config.compute_dtype={plan.config.model.compute_dtype}: running in "
                               "float32 on CPU (DeepSpeed's half-precision paths need an accelerator)", stacklevel=3)
     stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if plan.zero.downgrade:  # parallelism.data_parallel_shard (ZeRO-3) with expert parallel: ZeRO-2 (plan_pynative)
+        warnings.warn(plan.zero.downgrade, stacklevel=3)
     if stage == 3 and layout.size("tp") * layout.size("cp") > 1:
         raise ValueError(
             "parallel.parallel_optimizer_config.optimizer_level=level3 (ZeRO-3) does not compose with "

@@ -165,8 +165,12 @@ def test_parallelism_schema():
     with pytest.raises(msp.ConfigError) as ei:
         msp.load_config({"parallelism": {"tensor_parallel": 2, "context_parallel_method": "bogus"}})
     assert "parallelism.context_parallel_method" in ei.value.keys
+    # MindFormers 2.1 (pynative trainer _compute_data_parallel_size): data_parallel = world // (tp x cp x pp) = 4;
+    # data_parallel_shard 2 shards over 2 and replicates over 4 // 2 (HSDP: ZeRO-3 with a 2-rank sub-group)
+    hsdp = msp.make_plan({"parallelism": {"data_parallel_shard": 2, "tensor_parallel": 2}}, world_size=8)
+    assert hsdp.mesh.dp == 4 and hsdp.zero.stage == 3 and hsdp.zero.hpz_partition_size == 2
     with pytest.raises(msp.ConfigError) as ei:
-        msp.make_plan({"parallelism": {"data_parallel_shard": 2, "tensor_parallel": 2}}, world_size=8)
+        msp.make_plan({"parallelism": {"data_parallel_shard": 2, "tensor_parallel": 2}}, world_size=7)
     assert "parallelism.data_parallel_shard" in str(ei.value)
 
 

@@ -89,12 +89,15 @@ def model_from_yaml(path: str | Path, *, legacy_fused_layout: str = "interleaved
 
     raw = yaml.safe_load(Path(path).read_text())
     mc = ((raw or {}).get("model") or {}).get("model_config") if isinstance(raw, Mapping) else None
+    pynative = isinstance(raw, Mapping) and mc is None and raw.get("parallelism") is not None
+    if pynative and isinstance(raw.get("model"), Mapping):  # MindFormers 2.1 pynative: the keys sit under `model:`
+        mc = raw["model"]
     if not isinstance(mc, Mapping):
         raise ValueError(f"{path}: no model: / model.model_config section: the YAML of the run that wrote the checkpoint is "
                          "needed (it describes the model)")
     if legacy_fused_layout not in ("interleaved", "concat"):
         raise ValueError(f"legacy fused layout {legacy_fused_layout!r} must be 'interleaved' or 'concat'")
-    legacy = raw.get("use_legacy", True) is not False
+    legacy = raw.get("use_legacy", True) is not False and not pynative  # pynative models are mcore-style
     if legacy and not mc.get("type"):  # e.g. general/run_general_task.yaml: a template with no model in it
         raise ValueError(f"{path}: model.model_config names no model (no `type`, e.g. LlamaConfig, and no "
                          f"`use_legacy: false` + model_type): keys {sorted(mc) or 'none'}; the YAML of the run that "

@@ -13,6 +13,7 @@ from .errors import ConfigError, ConfigIssue, ConfigWarning
 from .modes import apply_mode_resets
 from .moe import read_moe
 from .pet import read_pet
+from .parallelism import PARALLELISM_FIELDS, apply_parallelism, apply_recompute, apply_training  # noqa: F401
 from .reader import MAX_DEPTH, check_depth, read_source
 from .rules import check_rules
 from .schema import PARALLELISM_KEYS, ParallelConfig, ParallelConfigSection
@@ -51,14 +52,6 @@ MODEL_ALIASES = {
 }
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
                  "bf16": "bfloat16"}
-CP_METHODS = {"colossal": "colossalai_cp", "colossalai": "colossalai_cp", "colossalai_cp": "colossalai_cp",
-              "ulysses": "ulysses_cp", "ulysses_cp": "ulysses_cp", "hybrid": "hybrid_cp", "hybrid_cp": "hybrid_cp"}
-PP_SCHEDULES = {"1f1b": "1f1b", "interleaved_1f1b": "1f1b", "gpipe": "gpipe", "zero_bubble_v": "zero_bubble_v",
-                "zbv": "zero_bubble_v"}
-PARALLELISM_FIELDS = ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel", "context_parallel",
-                      "context_parallel_method", "ulysses_degree_in_cp", "pipeline_parallel",
-                      "pipeline_parallel_interleave_num", "pipeline_parallel_schedule", "sequence_parallel",
-                      "expert_parallel", "micro_batch_num", "cpu_offload")
 
 
 def load_config(source: Any, *, name: str | None = None) -> ParallelConfig:
@@ -100,12 +93,21 @@ def _build(raw: Any, label: str | None) -> ParallelConfig:
             found.setdefault(issue.key, issue)
         raise ConfigError(_as_written(list(found.values()), spelled), label) from None
     issues = check_rules(cfg)
-    moe, moe_issues = read_moe(raw, cfg)  # moe_config / mcore MoE keys, with their rules (config.moe)
+    moe, moe_issues = read_moe(_pynative_model(raw), cfg)  # moe_config / mcore MoE keys, their rules (config.moe)
     pet, pet_issues = read_pet(raw, cfg)  # model_config.pet_config: LoRA (config.pet)
     if issues or moe_issues or pet_issues:
         raise ConfigError(_as_written(issues, spelled) + moe_issues + pet_issues, label)
     extra = {k: v for k, v in (("moe", moe), ("pet", pet)) if v is not None}
     return cfg.model_copy(update=extra) if extra else cfg
+
+
+def _pynative_model(raw: Mapping) -> Mapping:
+    """MindFormers 2.1 pynative files keep the model's keys right under `model:`; the MoE reader looks for them under
+    model.model_config (the mcore layout), so hand it that view."""
+    model = raw.get("model")
+    if raw.get("parallelism") is None or not isinstance(model, Mapping) or model.get("model_config") is not None:
+        return raw
+    return {**raw, "model": {"model_config": model}}
 
 
 def _as_written(issues: list[ConfigIssue], spelled: dict[str, str]) -> list[ConfigIssue]:
@@ -186,8 +188,13 @@ def _normalize(raw: Mapping, issues: list[ConfigIssue], spelled: dict[str, str])
             out[key] = _section(raw, key, issues)
     out["model"] = _model_shape(raw, issues, spelled)
 
-    if raw.get("parallelism") is not None:
-        _apply_parallelism(_section(raw, "parallelism", issues), out, issues)
+    if raw.get("parallelism") is not None:  # MindFormers 2.1 pynative schema (config.parallelism)
+        apply_parallelism(_section(raw, "parallelism", issues), out, issues)
+        if raw.get("training") is not None:
+            apply_training(_section(raw, "training", issues), out)
+        out.setdefault("use_legacy", False)  # pynative models: MTP sits after the decoder layers, outside the split
+        if raw.get("recompute") is not None and not out["recompute_config"]:
+            apply_recompute(_section(raw, "recompute", issues), out, issues)
     apply_mode_resets(out, issues, raw.get("run_mode"))
     return out
 
@@ -229,7 +236,11 @@ def _model_shape(raw: Mapping, issues: list[ConfigIssue], spelled: dict[str, str
     if not isinstance(model, Mapping):
         issues.append(ConfigIssue("model", model, "must be a mapping", "write `model:` with `model_config:` under it"))
         return {}
-    mc = _section(model, "model_config", issues, "model.model_config")
+    if model.get("model_config") is None and (raw.get("parallelism") is not None or raw.get("training") is not None):
+        # MindFormers 2.1 pynative layout: the model's keys sit right under `model:` (pynative/config ModelConfig)
+        mc = {k: v for k, v in model.items() if isinstance(k, str) and v is not None and not isinstance(v, Mapping)}
+    else:
+        mc = _section(model, "model_config", issues, "model.model_config")
     shape: dict[str, Any] = {}
     for field, spellings in MODEL_ALIASES.items():
         for spelling in spellings:
@@ -254,66 +265,6 @@ def _model_shape(raw: Mapping, issues: list[ConfigIssue], spelled: dict[str, str
     return shape
 
 
-def _apply_parallelism(p: dict, out: dict, issues: list[ConfigIssue]) -> None:
-    """MindFormers 2.1 `parallelism:` (torchtitan-like) -> the same fields as parallel_config."""
-    for key in list(p):
-        if key not in PARALLELISM_FIELDS:
-            close = difflib.get_close_matches(key, PARALLELISM_FIELDS, n=1, cutoff=0.6)
-            warnings.warn(f"parallelism.{key} is not read by msparallel_ds"
-                          + (f" (did you mean `{close[0]}`?)" if close else ""), ConfigWarning, stacklevel=5)
-    pc: dict[str, Any] = {}
-    replicate = p.get("data_parallel_replicate", 1)
-    shard = p.get("data_parallel_shard", -1)
-    if shard == 0 and _is_int(shard):
-        issues.append(ConfigIssue("parallelism.data_parallel_shard", 0, "must be -1 (auto) or a positive degree",
-                                  "write -1 to take it from the world size"))
-    out["parallelism"] = {"data_parallel_replicate": replicate, "data_parallel_shard": shard,
-                          "cpu_offload": p.get("cpu_offload", False)}
-    if _is_int(replicate) and _is_int(shard) and shard >= 1 and replicate >= 1:
-        pc["data_parallel"] = replicate * shard
-    elif _is_int(replicate):
-        pc["data_parallel"] = replicate  # shard = -1 (auto): the plan resolves it from the world size
-    for ours, theirs in (("model_parallel", "tensor_parallel"), ("context_parallel", "context_parallel"),
-                         ("pipeline_stage", "pipeline_parallel"), ("ulysses_degree_in_cp", "ulysses_degree_in_cp"),
-                         ("use_seq_parallel", "sequence_parallel"), ("expert_parallel", "expert_parallel"),
-                         ("micro_batch_num", "micro_batch_num")):
-        if theirs in p:
-            pc[ours] = p[theirs]
-    method = p.get("context_parallel_method")
-    if method is not None:
-        if isinstance(method, str) and method.lower() in CP_METHODS:
-            pc["context_parallel_algo"] = CP_METHODS[method.lower()]
-        else:
-            issues.append(ConfigIssue("parallelism.context_parallel_method", method,
-                                      "must be one of colossal, ulysses, hybrid", "pick one of those"))
-    schedule = p.get("pipeline_parallel_schedule")
-    vpp = p.get("pipeline_parallel_interleave_num")
-    pipeline_config = dict(out["parallel"].get("pipeline_config") or {})
-    if schedule is not None:
-        if isinstance(schedule, str) and schedule.lower() in PP_SCHEDULES:
-            pipeline_config["pipeline_scheduler"] = PP_SCHEDULES[schedule.lower()]
-            if schedule.lower() == "interleaved_1f1b":
-                pipeline_config["pipeline_interleave"] = True
-        else:
-            issues.append(ConfigIssue("parallelism.pipeline_parallel_schedule", schedule,
-                                      "must be one of 1f1b, interleaved_1f1b, gpipe", "pick one of those"))
-    if vpp is not None:
-        out["model"]["pp_interleave_num"] = vpp
-        if _is_int(vpp) and vpp > 1:
-            pipeline_config["pipeline_interleave"] = True
-    out["parallel"]["pipeline_config"] = pipeline_config
-    if shard != 1 and not out["parallel"].get("enable_parallel_optimizer"):
-        # dp_shard is FSDP-style sharding of parameters, gradients and optimizer states: ZeRO-3.
-        out["parallel"]["enable_parallel_optimizer"] = True
-        poc = dict(out["parallel"].get("parallel_optimizer_config") or {})
-        poc.setdefault("optimizer_level", "level3")
-        if _is_int(replicate) and replicate > 1 and _is_int(shard) and shard > 1:
-            poc.setdefault("optimizer_weight_shard_size", shard)
-        out["parallel"]["parallel_optimizer_config"] = poc
-    if out["parallel_config"]:
-        warnings.warn("both `parallelism:` and `parallel_config:` are present; `parallelism:` wins",
-                      ConfigWarning, stacklevel=5)
-    out["parallel_config"] = {**out["parallel_config"], **pc}
 
 
 def _is_int(v: Any) -> bool:

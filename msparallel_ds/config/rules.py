@@ -136,7 +136,7 @@ def _pipeline_rules(cfg: ParallelConfig):
         if cfg.model.pp_interleave_num > 1:
             _warn(f"{MC}.pp_interleave_num={cfg.model.pp_interleave_num} has no effect with pipeline_stage=1")
         return
-    if pc.micro_batch_num < cfg.pp:
+    if pc.micro_batch_num < cfg.pp and cfg.training is None:  # `training:`: the plan derives it from the world
         yield ConfigIssue(k(f"{PC}.micro_batch_num"), pc.micro_batch_num,
                           f"must be >= {k(f'{PC}.pipeline_stage')}={cfg.pp}",
                           f"set micro_batch_num to at least {cfg.pp}")
@@ -284,6 +284,8 @@ def _swap_rules(cfg: ParallelConfig):
 
 def _recompute_rules(cfg: ParallelConfig):
     rc, pp = cfg.recompute_config, cfg.pp
+    if rc.by_layer_id:  # MindFormers 2.1 `recompute:` layer ids (config.parallelism; checked when read)
+        return
     swap = cfg.swap_config.swap  # with swap on MindFormers drops the per-stage length limit (check_rules l.316-325)
     for name in ("recompute", "select_recompute", "select_comm_recompute"):
         value = getattr(rc, name)

@@ -115,6 +115,9 @@ class RecomputeConfig(_Section):
     parallel_optimizer_comm_recompute: StrictBool = False
     mp_comm_recompute: StrictBool = True
     recompute_slice_activation: StrictBool = False
+    # MindFormers 2.1 `recompute:` (config.parallelism): `recompute` / `select_recompute` hold layer ids, which the
+    # plan turns into per-stage counts of leading layers
+    by_layer_id: StrictBool = False
 
 
 class RunnerConfig(_Section):
@@ -242,11 +245,26 @@ class ModelShape(_Section):
 
 
 class ParallelismSource(_Section):
-    """What the newer `parallelism:` schema said, kept for messages and for dp_shard=-1 (resolved by the plan)."""
+    """What MindFormers 2.1's `parallelism:` said that the plan resolves against the world size
+    (config.parallelism has the meanings)."""
 
     data_parallel_replicate: Degree = 1
+    replicate_written: StrictBool = False  # data_parallel_replicate given: dp = shard x replicate, not from the world
     data_parallel_shard: Annotated[StrictInt, Field(ge=-1, le=MAX_DEGREE)] = -1
     cpu_offload: StrictBool = False  # FSDP parameters on the host (MindFormers pynative) -> ZeRO-3 offload_param
+    reshard_after_forward_policy: Literal["default", "always", "never"] = "default"
+    disable_gradient_division: StrictBool = True
+    dense_fsdp_shard_size: Optional[Degree] = None  # dense weights sharded over this many ranks (hpZ), experts not
+    pipeline_parallel_layers_per_stage: Optional[Union[Literal["auto"], list[Pattern]]] = None
+
+
+class TrainingSection(_Section):
+    """MindFormers 2.1 `training:` (pynative/config TrainingConfig; defaults as there)."""
+
+    steps: Count = 1000
+    local_batch_size: Count = 1
+    global_batch_size: Optional[Count] = None  # None: data_parallel x local_batch_size (no accumulation)
+    max_norm: Annotated[float, Field(allow_inf_nan=False, ge=0, le=1e30)] = 1.0  # > 0: clip to this global norm
 
 
 class ParallelConfig(_Section):
@@ -270,6 +288,7 @@ class ParallelConfig(_Section):
     model: ModelShape = ModelShape()
     # Set when the YAML used the `parallelism:` schema (MindFormers 2.1) instead of parallel_config.
     parallelism: Optional[ParallelismSource] = None
+    training: Optional[TrainingSection] = None  # MindFormers 2.1 `training:` (with `parallelism:` only)
     source: Optional[str] = None
     # moe.settings.MoESettings read from `moe_config:` / the mcore model_config MoE keys by config.moe (never from
     # the YAML directly); None when the YAML describes no experts

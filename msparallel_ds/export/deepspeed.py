@@ -63,6 +63,9 @@ def _zero(plan: "Plan") -> dict[str, Any]:
             out["stage3_param_persistence_threshold"] = z.param_persistence_threshold
         if z.hpz_partition_size:
             out["zero_hpz_partition_size"] = z.hpz_partition_size
+        if not z.reshard_after_forward:  # parallelism.reshard_after_forward_policy never (default with pp):
+            # gathered parameters stay until backward reuses them, released at the step's end (FSDP's False)
+            out.update(stage3_max_reuse_distance=10**15, stage3_max_live_parameters=10**15)
     return out
 
 

@@ -17,7 +17,7 @@ Built on torch.distributed.pipelining, not DeepSpeed's PipelineModule (ZeRO <= 1
    the non-pipelined step's gradient exactly. Global-norm clipping sums squared norms over pp x tp, counting
    tp-sharded parameters on every tp rank and replicated ones once (tp rank 0), with torch's clip_grad_norm_ formula.
 5. Optimizer parallel (parallel.enable_parallel_optimizer) = torch's ZeroRedundancyOptimizer over dp_cp inside each
-   stage: ZeRO-1 (optimizer state sharded, gradients all-reduced, updated parameters broadcast by their owner).
+   stage (with expert parallel: dense states over dp_cp, expert states over edp, pipeline.zero): ZeRO-1 (optimizer state sharded, gradients all-reduced, updated parameters broadcast by their owner).
    It is chosen over DeepSpeed's stage-1 partitioner because that one lives inside DeepSpeed's engine, which cannot
    wrap a pipeline stage with our mpu. optimizer_level level2/level3 run as level1 here, with a warning that says so.
 6. The loss returned is the global-batch mean on every rank: summed over dp x cp on the last stage, then over pp.
@@ -85,13 +85,10 @@ def _build_optimizer(view: nn.Module, optimizer, plan, layout: ParallelLayout) -
     if zero and layout.size("dp_cp") > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        if layout.size("ep") > 1:
-            raise ValueError(
-                f"parallel.enable_parallel_optimizer=True with pipeline_stage={layout.size('pp')} and "
-                f"parallel_config.expert_parallel={layout.size('ep')}: the pipeline engine's optimizer parallel "
-                "(torch ZeroRedundancyOptimizer over data_parallel x context_parallel) would overwrite the experts, "
-                "which differ across those ranks. Set parallel.enable_parallel_optimizer: false with pipeline "
-                "stages, or pipeline_stage: 1 (DeepSpeed ZeRO-1/2 shards expert states over their own group)")
+        if layout.size("ep") > 1:  # experts differ across dp x cp: their states shard over edp (pipeline.zero)
+            from .zero import split_zero
+
+            return split_zero(params, cls, defaults, layout)
         return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=layout.group("dp_cp"), **defaults)
     return cls(params, **defaults)
 
@@ -266,14 +263,25 @@ class PipelineEngine:
             clean_saved_config(save_dir, total)
         dist.barrier()
 
+    def _check_checkpointable(self, what: str) -> None:
+        plan, lay = self.plan, self.layout  # decided from the layout: a stage without experts must refuse as well
+        if plan.config.parallel.enable_parallel_optimizer and lay.size("dp_cp") > 1 and lay.size("ep") > 1:
+            raise ValueError(f"engine.{what} with pipeline_stage > 1, parallel.enable_parallel_optimizer and "
+                             f"expert_parallel={self.layout.size('ep')}: the checkpoint writer knows one optimizer-"
+                             "parallel group (dp x cp), this optimizer shards experts over expert data parallel; "
+                             "not supported yet. Train with enable_parallel_optimizer: false to checkpoint, or use "
+                             "engine.save_pretrained for the weights")
+
     def save(self, save_dir: str, *, sharded: bool = False, async_save: bool = False) -> None:
         """The layout-independent checkpoint of msparallel_ds.checkpoint (loads under any layout); sharded /
         async_save as engine.Engine.save."""
+        self._check_checkpointable("save")
         from ..checkpoint.pipeline import save_pipeline_checkpoint
 
         save_pipeline_checkpoint(self, save_dir, sharded=sharded, async_save=async_save)
 
     def load(self, load_dir: str) -> dict:
+        self._check_checkpointable("load")
         from ..checkpoint.pipeline import load_pipeline_checkpoint
 
         return load_pipeline_checkpoint(self, load_dir)
