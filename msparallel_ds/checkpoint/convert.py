@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .format import FILE, FORMAT, SHARDED_FORMAT, SHARDED_INDEX, atomic_save, read_checkpoint_file, shard_file
+from .paths import temp_dir_beside
 
 __all__ = ["convert_checkpoint", "target_spec"]
 
@@ -93,8 +94,7 @@ def convert_checkpoint(src: str, dst: str, config: Any, *, timeout: Optional[flo
     # the HF model's parameter order (a pipeline checkpoint lists each rank's stages in turn), as the former
     # converter's meta model gave it, so converted files stay byte-identical
     order = adapter.parameter_order(ck["params"]) if adapter is not None else list(ck["params"])
-    tmp = f"{dst_path.as_posix().rstrip('/')}.tmp-{os.getpid()}"
-    os.makedirs(tmp, exist_ok=True)
+    tmp = temp_dir_beside(dst)  # created exclusively: a link placed at a predictable name is never followed
     try:
         for rank in range(tp):
             params = {name: {k: spec.get(name).local(v, tp, rank).clone() for k, v in ck["params"][name].items()}

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from .paths import set_user_mode
+
 if TYPE_CHECKING:
     from ..distributed.layout import ParallelLayout
 
@@ -69,6 +71,7 @@ def atomic_write(path: str, write, *, suffix: str = ".pt") -> None:
     new one, never a part."""
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=os.path.dirname(os.path.abspath(path)))
     try:
+        set_user_mode(tmp)  # mkstemp's 0600 -> the umask's mode, as the index and any other file the user writes
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
