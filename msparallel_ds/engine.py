@@ -255,14 +255,14 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer:
     `deepspeed_config` entries override the plan's DeepSpeed config (e.g. {"steps_per_print": 10})."""
     import deepspeed
 
-    from .config import ParallelConfig, load_config
+    from .config import ParallelConfig
     from .distributed.layout import init_parallel
     from .strategy import applied_to, parallelize
 
     if not isinstance(cfg, ParallelConfig):
-        from .suggest.auto import auto_parallel_source
+        from .suggest.auto import load_config_auto
 
-        cfg = load_config(auto_parallel_source(cfg))  # parallel_mode: 2: the layout suggest chooses (warned)
+        cfg = load_config_auto(cfg)  # read once; parallel_mode: 2: the layout suggest chooses (warned)
     if not torch.cuda.is_available():  # before deepspeed.init_distributed, which would build the op on CPU
         runtime.disable_inference_shm_build()
     runtime.ensure_distributed(timeout_s)
