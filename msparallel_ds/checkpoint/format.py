@@ -113,8 +113,14 @@ def read_for_layout(load_dir: str, layout: ParallelLayout) -> tuple[dict[str, An
     index = os.path.join(load_dir, SHARDED_INDEX)
     if not os.path.exists(index):
         return read_checkpoint_file(os.path.join(load_dir, FILE), FORMAT), False
-    with open(index) as f:
-        meta = json.load(f)
+    try:
+        with open(index, encoding="utf-8") as f:
+            meta = json.load(f)
+        if not isinstance(meta, dict) or not isinstance(meta.get("mesh", {}), dict):
+            raise ValueError("not an object with format, mesh and files")
+    except ValueError as e:
+        raise ValueError(f"{index}: not a convert-checkpoint index ({e}); convert the original checkpoint again "
+                         "with msparallel-ds convert-checkpoint") from None
     want = {"pp": layout.size("pp"), "tp": layout.size("tp")}
     if meta.get("format") != SHARDED_FORMAT or meta.get("mesh", {}) != want:
         raise ValueError(f"{load_dir} was converted for pipeline_stage={meta.get('mesh', {}).get('pp')}, "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from pathlib import Path
@@ -170,7 +171,13 @@ def _read_hf_dir(src: str) -> tuple[dict, dict[str, Tensor]]:
     cfg_path = Path(src) / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{src}: no config.json (export-mindspore reads a HF folder: save_pretrained's)")
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    except pickle.UnpicklingError as e:  # a .bin with objects other than tensors: transformers reads weights-only
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "Unsupported global" in ln), lines[0] if lines else "")
+        raise ValueError(f"{src}: its pytorch_model.bin holds objects other than tensors ({why}); it is read "
+                         "weights-only and refused. Save the model with save_pretrained (safetensors)") from None
     return json.loads(cfg_path.read_text()), {n: p.detach() for n, p in hf.named_parameters()}
 
 
