@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from msparallel_ds.integrations.accelerate import MindFormersAccelerator
-from msparallel_ds.runtime import quiet_deepspeed
+from msparallel_ds.runtime import quiet_deepspeed, teardown
 from msparallel_ds.tiny import text_batches, tiny_llama
 
 DEFAULT_LR = 3e-3  # only when the YAML has no optimizer section and no --lr is given
@@ -87,3 +87,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    teardown()  # barrier, DeepSpeed's and our groups destroyed, then exit (no rank aborts at exit)

@@ -24,7 +24,7 @@ import argparse
 import torch
 
 import msparallel_ds as msp
-from msparallel_ds.runtime import quiet_deepspeed
+from msparallel_ds.runtime import quiet_deepspeed, teardown
 from msparallel_ds.tiny import dp_rows, text_batches, tiny_llama
 
 DEFAULT_LR = 3e-3  # only when the YAML has no optimizer section and no --lr is given
@@ -80,3 +80,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    teardown()  # barrier, DeepSpeed's and our groups destroyed, then exit (no rank aborts at exit)

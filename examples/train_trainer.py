@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 from transformers import TrainerCallback
 
 import msparallel_ds as msp
+from msparallel_ds.runtime import teardown
 from msparallel_ds.integrations.accelerate import resolve_config
 from msparallel_ds.integrations.trainer import (
     MindFormersTrainer,
@@ -87,3 +88,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    teardown()  # barrier, DeepSpeed's and our groups destroyed, then exit (no rank aborts at exit)

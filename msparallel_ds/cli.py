@@ -95,15 +95,13 @@ def _suggest_parser(sub) -> None:
 
 
 def _plan(path: str, world_size: Optional[int], device_memory_gib: Optional[float] = None):
-    from .config.mindformers import load_config
     from .plan import make_plan
-    from .suggest.auto import auto_parallel_source
+    from .suggest.auto import load_config_auto
 
     # parallel_mode: 2 (auto_parallel): the strategy suggest chooses, with a warning saying which
-    source = auto_parallel_source(Path(path), world_size=world_size,
-                                  device_memory_bytes=device_memory_gib * 2**30 if device_memory_gib else None)
-    return make_plan(load_config(source, name=str(path)) if isinstance(source, dict) else load_config(source),
-                     world_size=world_size)
+    cfg = load_config_auto(Path(path), world_size=world_size,
+                           device_memory_bytes=device_memory_gib * 2**30 if device_memory_gib else None)
+    return make_plan(cfg, world_size=world_size)
 
 
 def _cmd_plan(args) -> int:

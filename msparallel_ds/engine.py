@@ -268,15 +268,15 @@ def initialize(model: Union[nn.Module, Callable[[], nn.Module]], cfg, optimizer:
     lr_scheduler=None: msp.build_lr_scheduler from the YAML's lr_schedule, whose total_steps -1 is `total_steps`."""
     import deepspeed
 
-    from .config import ParallelConfig, load_config
+    from .config import ParallelConfig
     from .distributed.layout import init_parallel
     from .optim import build_lr_scheduler, build_optimizer, check_optim
     from .strategy import applied_to, parallelize
 
     if not isinstance(cfg, ParallelConfig):
-        from .suggest.auto import auto_parallel_source
+        from .suggest.auto import load_config_auto
 
-        cfg = load_config(auto_parallel_source(cfg))  # parallel_mode: 2: the layout suggest chooses (warned)
+        cfg = load_config_auto(cfg)  # read once; parallel_mode: 2: the layout suggest chooses (warned)
     if not torch.cuda.is_available():  # before deepspeed.init_distributed, which would build the op on CPU
         runtime.disable_inference_shm_build()
     runtime.ensure_distributed(timeout_s)

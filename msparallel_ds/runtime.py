@@ -13,7 +13,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from .distributed.layout import ParallelLayout
 
-__all__ = ["cpu_float32", "deepspeed_config", "disable_inference_shm_build", "ensure_distributed",
+__all__ = ["cpu_float32", "deepspeed_config", "disable_inference_shm_build", "ensure_distributed", "teardown",
            "quiet_deepspeed", "training_device"]
 
 
@@ -112,3 +112,29 @@ def disable_inference_shm_build() -> None:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def teardown() -> None:
+    """End a distributed run in order, on every rank: a barrier (no rank leaves while a peer's collective is still in
+    flight), DeepSpeed's communication backend and group tables dropped, then every process group destroyed (ours and
+    DeepSpeed's), so no communicator thread is alive when the interpreter exits. Exiting with live process groups
+    can abort a rank at exit ("terminate called without an active exception", SIGABRT) after all steps finished."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()
+    try:
+        import deepspeed.comm.comm as ds_comm
+        from deepspeed.utils import groups as ds_groups
+    except ImportError:  # DeepSpeed not installed: only torch's groups to destroy
+        pass
+    else:
+        for name, value in list(vars(ds_groups).items()):  # handles to groups about to be destroyed
+            if name.startswith("_") and name.upper() == name and "GROUP" in name:
+                if isinstance(value, dict):
+                    value.clear()
+                elif value is not None and not callable(value):
+                    setattr(ds_groups, name, None)
+        ds_comm.cdb = None
+    dist.destroy_process_group()  # the default group and every subgroup made from it

@@ -19,18 +19,27 @@ from typing import Any, Callable, Optional
 
 from .format import (FILE, FORMAT, SHARDED_FORMAT, SHARDED_INDEX, atomic_save, checksums, read_checkpoint_file,
                      shard_file, verify_checksums)
+from .paths import temp_dir_beside
 
 __all__ = ["convert_checkpoint", "convert_to_sharded", "target_spec"]
 
 
-def _adapter(model_config: dict[str, Any], need: bool):
+def _adapter(model_config: dict[str, Any], need: bool, where: str = "the checkpoint"):
     """(HF config, family adapter) of the saved model; the adapter is None for an unknown family unless `need`."""
     from transformers import AutoConfig
 
     from ..models import adapter_for_config
 
+    if not isinstance(model_config, dict) or not isinstance(model_config.get("model_type"), str):
+        raise ValueError(f"{where}: model_config {str(model_config)[:120]} names no model_type (a HF config "
+                         "dict is expected, as engine.save writes it); save the checkpoint again with msparallel_ds")
     kw = dict(model_config)
-    hf_config = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    try:
+        hf_config = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    except Exception as e:  # noqa: BLE001  HF's strict config classes raise several types; one line naming it
+        last = str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
+        raise ValueError(f"{where}: model_config does not make a {model_config['model_type']} HF config: "
+                         f"{last}") from None
     try:
         return hf_config, adapter_for_config(hf_config)
     except ValueError:
@@ -94,14 +103,13 @@ def convert_checkpoint(src: str, dst: str, config: Any, *, timeout: Optional[flo
         raise ValueError(f"parallel_config.pipeline_stage={pp}: convert-checkpoint prepares "
                          "pipeline_stage 1 layouts; a pipeline run loads the layout-independent checkpoint directly "
                          "(engine.load(SRC))")
-    hf_config, adapter = _adapter(ck["model_config"], need=tp > 1)
+    hf_config, adapter = _adapter(ck["model_config"], need=tp > 1, where=f"{src}/{FILE}")
     spec = target_spec(hf_config, adapter, ck["params"], tp, plan.vocab_parallel)
     check_divisible(ck["params"], spec, tp)
     # the HF model's parameter order (a pipeline checkpoint lists each rank's stages in turn), as the former
     # converter's meta model gave it, so converted files stay byte-identical
     order = adapter.parameter_order(ck["params"]) if adapter is not None else list(ck["params"])
-    tmp = f"{dst_path.as_posix().rstrip('/')}.tmp-{os.getpid()}"
-    os.makedirs(tmp, exist_ok=True)
+    tmp = temp_dir_beside(dst)  # created exclusively: a link placed at a predictable name is never followed
     try:
         for rank in range(tp):
             params = {name: {k: spec.get(name).local(v, tp, rank).clone() for k, v in ck["params"][name].items()}

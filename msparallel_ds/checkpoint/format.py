@@ -35,6 +35,7 @@ import torch
 
 from .folder import (CheckpointSaveError, acquire_lock, checkpoint_kind, release_lock, remove_superseded,
                      sweep_stale_temps, tmp_prefix)
+from .paths import set_user_mode
 
 if TYPE_CHECKING:
     from ..distributed.layout import ParallelLayout
@@ -68,6 +69,7 @@ def atomic_write(path: str, write, *, suffix: str = ".pt") -> None:
     new one, never a part."""
     fd, tmp = tempfile.mkstemp(prefix=tmp_prefix(), suffix=suffix, dir=os.path.dirname(os.path.abspath(path)))
     try:
+        set_user_mode(tmp)  # mkstemp's 0600 -> the umask's mode, as the index and any other file the user writes
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -109,8 +111,14 @@ def read_for_layout(load_dir: str, layout: ParallelLayout) -> tuple[dict[str, An
     index = os.path.join(load_dir, SHARDED_INDEX)
     if checkpoint_kind(load_dir) != "converted":
         return read_checkpoint_file(os.path.join(load_dir, FILE), FORMAT), False
-    with open(index) as f:
-        meta = json.load(f)
+    try:
+        with open(index, encoding="utf-8") as f:
+            meta = json.load(f)
+        if not isinstance(meta, dict) or not isinstance(meta.get("mesh", {}), dict):
+            raise ValueError("not an object with format, mesh and files")
+    except ValueError as e:
+        raise ValueError(f"{index}: not a convert-checkpoint index ({e}); convert the original checkpoint again "
+                         "with msparallel-ds convert-checkpoint") from None
     want = {"pp": layout.size("pp"), "tp": layout.size("tp")}
     if meta.get("format") != SHARDED_FORMAT or meta.get("mesh", {}) != want:
         raise ValueError(f"{load_dir} was converted for pipeline_stage={meta.get('mesh', {}).get('pp')}, "

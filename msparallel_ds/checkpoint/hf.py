@@ -85,8 +85,7 @@ def _weight_files(checkpoint_dir: str) -> dict[str, str]:
     """checkpoint key -> safetensors file path."""
     index, single = os.path.join(checkpoint_dir, _SAFE_INDEX), os.path.join(checkpoint_dir, _SAFE_FILE)
     if os.path.exists(index):
-        with open(index) as f:
-            return {k: os.path.join(checkpoint_dir, v) for k, v in json.load(f)["weight_map"].items()}
+        return _index_files(index, checkpoint_dir)
     if os.path.exists(single):
         from safetensors import safe_open
 
@@ -96,6 +95,20 @@ def _weight_files(checkpoint_dir: str) -> dict[str, str]:
         raise ValueError(f"{checkpoint_dir} holds a .bin (pickle) checkpoint; only safetensors can be read by slice. "
                          f"Convert it once: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir)")
     raise FileNotFoundError(f"no {_SAFE_FILE} or {_SAFE_INDEX} in {checkpoint_dir}")
+
+
+def _index_files(index: str, checkpoint_dir: str) -> dict[str, str]:
+    """An HF index's weight_map, every file resolved inside checkpoint_dir (an entry outside it is an error)."""
+    from .paths import contained
+
+    try:
+        with open(index, encoding="utf-8") as f:
+            wmap = json.load(f).get("weight_map")
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+    if not isinstance(wmap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
+        raise ValueError(f"{index}: not a safetensors index (expected {{'weight_map': {{name: file}}}})")
+    return {k: contained(checkpoint_dir, v, index) for k, v in wmap.items()}
 
 
 def _default_device(layout: ParallelLayout) -> torch.device:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -22,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .mindformers_model import MindFormersModel, model_from_yaml
+from .paths import set_user_mode, temp_dir_beside
 from .weight_map import MappingError, to_hf, to_mf
 
 __all__ = ["export_mindspore", "import_mindspore", "mindformers_to_hf"]
@@ -91,11 +94,10 @@ def _cast(tensors: dict[str, Tensor], dtype: Optional[str]) -> dict[str, Tensor]
     return {n: t.to(_DTYPES[dtype]) if t.is_floating_point() else t for n, t in tensors.items()}
 
 
-def _fresh_dir(dst: str) -> str:
+def _check_fresh(dst: str) -> None:
     path = Path(dst)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise FileExistsError(f"{dst} exists and is not an empty folder; import-mindspore writes a new folder")
-    return f"{path.as_posix().rstrip('/')}.tmp-{os.getpid()}"
 
 
 def _publish(tmp: str, dst: str) -> None:
@@ -129,11 +131,10 @@ def _write_layout(tmp: str, model: MindFormersModel, tensors: dict[str, Tensor],
         check_divisible(params, target_spec(model.hf_config, model.adapter, params, tp, plan.vocab_parallel), tp)
         atomic_save(record, os.path.join(tmp, FILE))
         return
-    whole = f"{tmp}-whole"
+    whole = temp_dir_beside(f"{tmp}-whole")
     try:
         atomic_save(record, os.path.join(whole, FILE))
-        os.rmdir(tmp)
-        convert_checkpoint(whole, tmp, layout_yaml, echo=echo)
+        convert_checkpoint(whole, tmp, layout_yaml, echo=echo)  # tmp is empty: convert replaces it
     finally:
         shutil.rmtree(whole, ignore_errors=True)
 
@@ -143,11 +144,11 @@ def import_mindspore(src: str, dst: str, config: str, *, strategy: Optional[str]
                      dtype: Optional[str] = None, echo: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
     """Import SRC (see the module docstring) into the new folder DST. Returns a report (files read, names dropped,
     tensors written)."""
-    tmp = _fresh_dir(dst)
+    _check_fresh(dst)
     model, tensors, weights, meta = mindformers_to_hf(src, config, strategy=strategy,
                                                       legacy_fused_layout=legacy_fused_layout)
     tensors = _cast(tensors, dtype)
-    os.makedirs(tmp, exist_ok=True)
+    tmp = temp_dir_beside(dst)  # created exclusively: a link placed at a predictable name is never followed
     try:
         if to_layout:
             _write_layout(tmp, model, tensors, to_layout, echo)
@@ -170,7 +171,13 @@ def _read_hf_dir(src: str) -> tuple[dict, dict[str, Tensor]]:
     cfg_path = Path(src) / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{src}: no config.json (export-mindspore reads a HF folder: save_pretrained's)")
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    except pickle.UnpicklingError as e:  # a .bin with objects other than tensors: transformers reads weights-only
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "Unsupported global" in ln), lines[0] if lines else "")
+        raise ValueError(f"{src}: its pytorch_model.bin holds objects other than tensors ({why}); it is read "
+                         "weights-only and refused. Save the model with save_pretrained (safetensors)") from None
     return json.loads(cfg_path.read_text()), {n: p.detach() for n, p in hf.named_parameters()}
 
 
@@ -200,7 +207,13 @@ def export_mindspore(src: str, dst: str, config: str, *, fmt: str = "ckpt", dtyp
     else:
         from safetensors.torch import save_file
 
-        tmp = f"{dst}.tmp-{os.getpid()}"
-        save_file({n: t.contiguous() for n, t in mf.items()}, tmp, metadata={"format": "ms"})
-        os.replace(tmp, dst)
+        fd, tmp = tempfile.mkstemp(prefix=f".{Path(dst).name}.tmp-", dir=Path(dst).parent)  # exclusive, no links
+        os.close(fd)
+        try:
+            save_file({n: t.contiguous() for n, t in mf.items()}, tmp, metadata={"format": "ms"})
+            set_user_mode(tmp)
+            os.replace(tmp, dst)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     return {"tensors": len(mf), "parameters": sum(t.numel() for t in mf.values()), "names": list(mf)}

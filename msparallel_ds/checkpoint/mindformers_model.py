@@ -68,6 +68,12 @@ def _mcore_config(mc: Mapping, raw: Mapping, path) -> tuple[str, dict]:
     return str(model_type), kw
 
 
+# model_config sizes (MindFormers legacy and 2.x names) that must be positive integers when given
+_SIZES = {"num_layers", "num_heads", "n_kv_heads", "hidden_size", "intermediate_size", "vocab_size",
+          "num_attention_heads", "num_query_groups", "num_key_value_heads", "ffn_hidden_size", "kv_channels",
+          "head_dim", "seq_length"}
+
+
 def _like(default: Any, value: Any) -> Any:
     """YAML 1.1 reads `1e-6` (no dot) as a string: a number where the HF default is one."""
     if isinstance(value, str) and isinstance(default, (int, float)) and not isinstance(default, bool):
@@ -97,6 +103,10 @@ def model_from_yaml(path: str | Path, *, legacy_fused_layout: str = "interleaved
                          "needed (it describes the model)")
     if legacy_fused_layout not in ("interleaved", "concat"):
         raise ValueError(f"legacy fused layout {legacy_fused_layout!r} must be 'interleaved' or 'concat'")
+    for key in _SIZES.intersection(mc):
+        value = mc[key]
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise _error(path, key, value, "must be a positive integer", "write the model's size, e.g. 32")
     legacy = raw.get("use_legacy", True) is not False and not pynative  # pynative models are mcore-style
     if legacy and not mc.get("type"):  # e.g. general/run_general_task.yaml: a template with no model in it
         raise ValueError(f"{path}: model.model_config names no model (no `type`, e.g. LlamaConfig, and no "
@@ -108,14 +118,15 @@ def model_from_yaml(path: str | Path, *, legacy_fused_layout: str = "interleaved
             moe = raw.get("moe_config")
             model_type, kw = _legacy_family_config(mc) or legacy_hf_config(
                 mc, moe if isinstance(moe, Mapping) else None)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: model.model_config: {e}") from None
     else:
         model_type, kw = _mcore_config(mc, raw, path)
     try:
         hf_config = AutoConfig.for_model(model_type, **kw)
-    except (TypeError, ValueError) as e:  # HF's strict config fields name the key
-        raise ValueError(f"{path}: model.model_config does not make a {model_type} HF config: {e}") from None
+    except (TypeError, ValueError, ArithmeticError) as e:  # HF's strict config fields name the key
+        last = str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path}: model.model_config does not make a {model_type} HF config: {last}") from None
     if not getattr(hf_config, "architectures", None):
         hf_config.architectures = [_causal_lm_name(model_type)]
     try:

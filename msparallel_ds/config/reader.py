@@ -11,10 +11,16 @@ import yaml
 from .errors import ConfigError, ConfigIssue
 from .schema import ParallelConfig
 
-__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "check_depth", "read_source"]
+__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_NODES", "check_depth", "read_source"]
 
 MAX_FILE_BYTES = 16 << 20
 MAX_DEPTH = 32
+# YAML nodes (scalars, aliases, mappings, sequences) a config may hold: the largest of 37 real MindFormers configs
+# has 548 parse events; a long list under the size cap would otherwise take minutes and GBs to build
+MAX_NODES = 20_000
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser where PyYAML was built with it
+_OPEN = (yaml.MappingStartEvent, yaml.SequenceStartEvent)
+_CLOSE = (yaml.MappingEndEvent, yaml.SequenceEndEvent)
 
 
 def read_source(source: Any, label: str | None) -> tuple[Any, str | None]:
@@ -72,13 +78,35 @@ def _parse(data: bytes, label: str) -> Any:
         raise ConfigError([ConfigIssue("file", label, "contains NUL bytes (binary file?)",
                                        "pass a MindFormers YAML file")], label)
     try:
-        return yaml.safe_load(text)
+        _check_events(text, label)  # bounds first, from the parser's event stream (cheap, stops at the limit)
+        return yaml.load(text, Loader=_LOADER)  # noqa: S506 (a safe loader: SafeLoader or its C twin)
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError([ConfigIssue("", label, f"is not valid YAML{at}: {problem}",
                                        "fix the YAML syntax")], label) from None
+
+
+def _check_events(text: str, label: str) -> None:
+    """Nesting depth and node count from the event stream, before any Python object is built."""
+    depth = nodes = 0
+    for event in yaml.parse(text, Loader=_LOADER):
+        if isinstance(event, _CLOSE):
+            depth -= 1
+            continue
+        if isinstance(event, (yaml.NodeEvent)):
+            nodes += 1
+            if nodes > MAX_NODES:
+                raise ConfigError([ConfigIssue("", label, f"holds more than {MAX_NODES} YAML values, more than a "
+                                               "configuration does", "pass a MindFormers YAML, not a data file")],
+                                  label)
+        if isinstance(event, _OPEN):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ConfigError([ConfigIssue("", label, f"is nested more than {MAX_DEPTH} levels deep, deeper "
+                                               "than a MindFormers config", f"keep nesting under {MAX_DEPTH} "
+                                               "levels")], label)
 
 
 def check_depth(node: Any, depth: int = 0, seen: set | None = None) -> None:

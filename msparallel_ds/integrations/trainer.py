@@ -51,7 +51,7 @@ from transformers import Trainer, TrainingArguments
 from .accelerate import MindFormersAccelerator
 from .config import refuse_pipeline, resolve_config
 
-__all__ = ["MindFormersTrainer", "training_arguments_from_yaml"]
+__all__ = ["MindFormersTrainer", "load_deepspeed_weights_only", "training_arguments_from_yaml"]
 
 # The Trainer's TrainingArguments fill these (HfTrainerDeepSpeedConfig.trainer_config_process)
 _TRAINER_FILLS = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
@@ -214,8 +214,8 @@ class MindFormersTrainer(Trainer):
         def load(engine, path, **load_kwargs):
             if has_checkpoint(path):  # ours in any format (msp_universal.pt, sharded, converted)
                 load_checkpoint(self._checkpoint_view(), path)
-            else:
-                deepspeed_load(engine, path, **load_kwargs)
+            else:  # not ours: DeepSpeed's files, never unpickled with code (hardening round 2, item 8)
+                load_deepspeed_weights_only(deepspeed_load, engine, path, **load_kwargs)
 
         hf_trainer.deepspeed_load_checkpoint = load
         try:
@@ -241,3 +241,46 @@ class MindFormersTrainer(Trainer):
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+def _deepspeed_safe_globals() -> list:
+    """The only non-plain objects DeepSpeed's ZeRO-1/2/3 files hold (fp16/bf16 loss scalers, the stage enum, the
+    fragment map): plain data classes, allowed to the weights-only unpickler."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def load_deepspeed_weights_only(deepspeed_load, engine, path: str, **load_kwargs) -> Any:
+    """DeepSpeed's checkpoint loader with every torch.load in it weights-only. DeepSpeed unpickles its files
+    (torch.load(weights_only=False)), so a crafted mp_rank_00_model_states.pt in a folder handed to resume would run
+    code; here such a file is refused with a message naming the folder."""
+    import pickle
+
+    real = torch.load
+
+    def weights_only(*args, **kwargs):
+        kwargs["weights_only"] = True
+        return real(*args, **kwargs)
+
+    torch.load = weights_only
+    try:
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            return deepspeed_load(engine, path, **load_kwargs)
+    except pickle.UnpicklingError as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        detail = next((ln for ln in lines if "Unsupported global" in ln), lines[0] if lines else type(e).__name__)
+        raise ValueError(
+            f"{path}: DeepSpeed's checkpoint files hold objects other than tensors and plain data ({detail}); "
+            f"msparallel_ds reads DeepSpeed's files weights-only and will not unpickle them. Resume from a checkpoint "
+            f"msparallel_ds saved (it holds {_ours_name()}), or check where this folder came from.") from None
+    finally:
+        torch.load = real
+
+
+def _ours_name() -> str:
+    from ..checkpoint.format import FILE
+
+    return FILE

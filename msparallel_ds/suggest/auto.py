@@ -59,3 +59,22 @@ def auto_parallel_source(source: Any, *, world_size: Optional[int] = None,
     warnings.warn(note + "; the hand-written operator-sharding degrees (data/model/context/expert parallel) are not "
                   "used", ConfigWarning, stacklevel=2)
     return chosen
+
+
+def load_config_auto(source: Any, *, world_size: Optional[int] = None,
+                     device_memory_bytes: Optional[float] = None):
+    """load_config(auto_parallel_source(source)) with the YAML read and parsed once (a large file is not parsed a
+    second time), errors labelled with the file's name."""
+    from ..config import load_config
+    from ..config.reader import read_source
+    from ..config.schema import ParallelConfig
+
+    if isinstance(source, ParallelConfig):
+        return source
+    try:
+        data, label = read_source(source, None)
+    except Exception:  # noqa: BLE001  load_config turns every reading problem into its one ConfigError
+        return load_config(source)
+    if is_auto_parallel(data):
+        data = auto_parallel_source(data, world_size=world_size, device_memory_bytes=device_memory_bytes)
+    return load_config(data, name=label)

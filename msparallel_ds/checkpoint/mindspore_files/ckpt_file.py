@@ -86,11 +86,23 @@ def _decode(path: str, tag: str, dims: list[int], ttype: str, data: bytes) -> to
     return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
 
 
-def read_ckpt(path: str | os.PathLike) -> dict[str, torch.Tensor | str]:
+def has_crc(path: str | os.PathLike) -> bool:
+    """Whether the file ends in MindSpore's crc trailer (save_checkpoint(..., crc_check=True))."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < _TRAILER:
+            return False
+        f.seek(size - _TRAILER)
+        return f.read(len(CRC_MARK)) == CRC_MARK
+
+
+def read_ckpt(path: str | os.PathLike, *, require_crc: bool = False) -> dict[str, torch.Tensor | str]:
     """All values of a MindSpore .ckpt in file order: tensors keep their dtype, strings stay str.
 
-    Verifies the crc trailer when there is one. Map tensors (MapParameter), Int4 tensors, encrypted or foreign files
-    raise ValueError naming the file."""
+    Verifies the crc trailer when there is one; require_crc=True (MindSpore's load_checkpoint(crc_check=True)) also
+    refuses a file without one: a crc-protected file cut at a record boundary has lost its trailer and otherwise
+    reads as a shorter valid file. A tag written twice, map tensors (MapParameter), Int4 tensors, encrypted or
+    foreign files raise ValueError naming the file."""
     path = os.fspath(path)
     out: dict[str, torch.Tensor | str] = {}
     with open(path, "rb") as f:
@@ -105,11 +117,18 @@ def read_ckpt(path: str | os.PathLike) -> dict[str, torch.Tensor | str]:
                     want = int.from_bytes(buf[end + len(CRC_MARK):], "big")
                     if zlib.crc32(buf[:end]) != want:
                         raise ValueError(f"{path}: crc32 check failed, the checkpoint file is damaged")
+                elif require_crc:
+                    raise ValueError(f"{path}: no crc trailer, but this checkpoint should carry one (it was saved "
+                                     "with crc_check=True, or its sibling files carry one): the file was cut short; "
+                                     "copy it again from the source")
                 pending: list = []  # the pieces of the tensor being read: (tag, dims, type, [bytes])
 
                 def flush():
                     if pending:
                         tag, dims, ttype, parts = pending.pop()
+                        if tag in out:  # MindSpore would let the later one win: silently wrong weights
+                            raise ValueError(f"{path}: parameter {tag!r} is written twice; a checkpoint holds each "
+                                             "name once (a damaged or concatenated file?)")
                         out[tag] = _decode(path, tag, dims, ttype, b"".join(parts))
 
                 try:

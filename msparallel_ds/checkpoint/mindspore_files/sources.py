@@ -22,7 +22,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .ckpt_file import read_ckpt
+from ..paths import contained
+from .ckpt_file import has_crc, read_ckpt
 from .strategy import Layout, merge, read_strategies
 
 # Prefixes MindSpore optimizers give their state (Parameter.clone(prefix=...)): AdamWeightDecay and MindFormers'
@@ -66,13 +67,18 @@ def why_dropped(name: str, value) -> str | None:
 def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
+    from safetensors import SafetensorError
+
     out = {}
-    with safe_open(path, framework="pt") as f:
-        meta = f.metadata() or {}
-        for name in f.keys():
-            if meta.get(name) == "Int4":  # MindSpore marks qint4x2 tensors in the metadata
-                raise ValueError(f"{path}: parameter {name!r}: Int4 (qint4x2) tensors are not supported")
-            out[name] = f.get_tensor(name)
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            for name in f.keys():
+                if meta.get(name) == "Int4":  # MindSpore marks qint4x2 tensors in the metadata
+                    raise ValueError(f"{path}: parameter {name!r}: Int4 (qint4x2) tensors are not supported")
+                out[name] = f.get_tensor(name)
+    except SafetensorError as e:  # a truncated or corrupt file: one line naming it, not safetensors' traceback
+        raise ValueError(f"{path}: not a readable .safetensors file ({e}); re-copy or re-export it") from None
     return out
 
 
@@ -113,10 +119,10 @@ def _read_index(path: str) -> tuple[dict[str, torch.Tensor], list[str]]:
         raise ValueError(f"{path}: not a weight map (expected {{'weight_map': {{name: file}}}} or {{name: file}})")
     folder = os.path.dirname(os.path.abspath(path))
     files = sorted(set(wmap.values()))
+    full = {f: contained(folder, f, path) for f in files}  # every entry checked before any file is opened
     out: dict[str, torch.Tensor] = {}
     for file in files:
-        full = os.path.join(folder, file)
-        for name, t in _read_file(full).items():
+        for name, t in _read_file(full[file]).items():
             if wmap.get(name) == file:
                 out[name] = t
     missing = [n for n in wmap if n not in out]
@@ -208,8 +214,11 @@ def _merge_ranks(root: str, ranks: dict[int, str], strategy, full_shapes: Mappin
             os.path.join(strategy, f) for f in os.listdir(strategy) if f.endswith((".ckpt", ".json")))
     slices: dict[str, dict[int, torch.Tensor]] = {}
     out = MindSporeWeights({}, files=list(picked.values()) + strat_files)
+    # one save writes every rank's file with or without a crc: a .ckpt without one among files with one lost it
+    crc = any(has_crc(p) for p in picked.values() if p.endswith(".ckpt"))
     for r, path in picked.items():
-        for name, value in _read_file(path).items():
+        values = read_ckpt(path, require_crc=crc) if path.endswith(".ckpt") else _read_file(path)
+        for name, value in values.items():
             if name in out.dropped:
                 continue
             why = why_dropped(name, value)

@@ -68,14 +68,40 @@ class Layout:
 def make_layout(dev_matrix: Sequence[int], tensor_map: Sequence, opt_shard_step: int = 0, opt_shard_size: int = 0,
                 field: int = 0, param_split_shape: Sequence[int] = (), indices_offset: Sequence[int] = ()) -> Layout:
     """A Layout from MindSpore's raw values: tensor_map entries are axis ids, -1, or lists of them."""
-    tmap = tuple(tuple(a for a in (m if isinstance(m, (list, tuple)) else [m]) if a != -1) for m in tensor_map)
-    lay = Layout(tuple(int(d) for d in dev_matrix), tuple(tuple(int(a) for a in m) for m in tmap), int(opt_shard_step),
-                 0, int(field), tuple(int(x) for x in param_split_shape), tuple(int(x) for x in indices_offset))
-    size = int(opt_shard_size)
+    dev = _ints(dev_matrix, "dev_matrix")
+    if not 0 < len(dev) <= _MAX_AXES or any(d < 1 for d in dev):
+        raise ValueError(f"dev_matrix {list(dev)} must list 1 to {_MAX_AXES} device counts, each >= 1")
+    tmap = tuple(tuple(a for a in _ints(m if isinstance(m, (list, tuple)) else [m], "tensor_map") if a != -1)
+                 for m in _seq(tensor_map, "tensor_map"))
+    axes = [a for m in tmap for a in m]
+    if any(not 0 <= a < len(dev) for a in axes) or len(set(axes)) != len(axes):
+        raise ValueError(f"tensor_map {list(tensor_map)} must name each axis of dev_matrix {list(dev)} at most once "
+                         f"(axes 0..{len(dev) - 1}, -1 = not split)")
+    step, size, fld = _ints([opt_shard_step, opt_shard_size, field], "opt_weight_shard_step/size, field")
+    if size < -1:
+        raise ValueError(f"opt_weight_shard_size {size} must be -1 (the whole repeat group), 0 (none) or a size")
+    lay = Layout(dev, tmap, step, 0, fld, _ints(param_split_shape, "param_split_shape"),
+                 _ints(indices_offset, "indices_offset"))
     if size == -1:  # the whole repeat group (mindspore.parallel._tensor._extract_layout_item)
         size = lay.device_num // math.prod(lay.splits)
     return Layout(lay.dev_matrix, lay.tensor_map, lay.opt_shard_step, size, lay.field, lay.param_split_shape,
                   lay.indices_offset)
+
+
+_MAX_AXES = 32
+
+
+def _seq(v, what: str) -> Sequence:
+    if not isinstance(v, (list, tuple)):
+        raise ValueError(f"{what} must be a list, got {v!r}")
+    return v
+
+
+def _ints(v, what: str) -> tuple[int, ...]:
+    v = _seq(v, what)
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise ValueError(f"{what} must hold integers, got {list(v)!r}")
+    return tuple(v)
 
 
 def _from_proto(layouts) -> Layout:
@@ -102,11 +128,24 @@ def read_strategy(path: str | os.PathLike) -> dict[str, Layout]:
     out: dict[str, Layout] = {}
     if path.endswith(".json"):
         with open(path, encoding="utf-8") as f:
-            items = json.load(f).get("parallel_layout_item") or {}
+            try:
+                data = json.load(f)
+            except ValueError as e:
+                raise ValueError(f"{path}: not a MindSpore parallel strategy file (JSON: {e})") from None
+        items = data.get("parallel_layout_item") if isinstance(data, dict) else None
+        if not isinstance(items, dict) or not items:
+            raise ValueError(f"{path}: not a MindSpore parallel strategy file (expected an object with "
+                             "'parallel_layout_item': {parameter: {dev_matrix, tensor_map, ...}})")
         for name, it in items.items():
-            _add(out, name, make_layout(it["dev_matrix"], it["tensor_map"], it.get("opt_weight_shard_step", 0),
-                                        it.get("opt_weight_shard_size", 0), it.get("field", 0),
-                                        it.get("param_split_shape", ()), it.get("indices_offset", ())), path)
+            try:
+                if not isinstance(it, dict) or "dev_matrix" not in it or "tensor_map" not in it:
+                    raise ValueError("needs 'dev_matrix' and 'tensor_map'")
+                layout = make_layout(it["dev_matrix"], it["tensor_map"], it.get("opt_weight_shard_step", 0),
+                                     it.get("opt_weight_shard_size", 0), it.get("field", 0),
+                                     it.get("param_split_shape", ()), it.get("indices_offset", ()))
+            except ValueError as e:
+                raise ValueError(f"{path}: parameter {name!r}: {e}") from None
+            _add(out, name, layout, path)
         return out
     with open(path, "rb") as f:
         data = f.read()
@@ -118,7 +157,11 @@ def read_strategy(path: str | os.PathLike) -> dict[str, Layout]:
     if not data or (not msg.parallel_layout_item and not msg.parallel_strategy_item):
         raise ValueError(f"{path}: not a MindSpore parallel strategy file (no layouts in it)")
     for item in msg.parallel_layout_item:
-        _add(out, item.param_name, _from_proto(item.parallel_layouts), path)
+        try:
+            layout = _from_proto(item.parallel_layouts)
+        except ValueError as e:
+            raise ValueError(f"{path}: parameter {item.param_name!r}: {e}") from None
+        _add(out, item.param_name, layout, path)
     return out
 
 
@@ -196,11 +239,22 @@ def _check(name: str, layout: Layout, ndim: int) -> None:
         raise ValueError(f"parameter {name!r}: a 0-d tensor cannot have an optimizer shard")
 
 
-def _mp_index(layout: Layout, local: int) -> tuple[int, ...]:
-    """The model-parallel chunk index per tensor dim held by stage-local rank `local`."""
+def _coords(layout: Layout, local: int) -> list[int]:
     coord, rest = [0] * len(layout.dev_matrix), local
     for i in range(len(layout.dev_matrix) - 1, -1, -1):  # row-major, last axis fastest
         coord[i], rest = rest % layout.dev_matrix[i], rest // layout.dev_matrix[i]
+    return coord
+
+
+def _free(layout: Layout) -> list[int]:
+    """dev_matrix indices no tensor dim is split over: the repeat group varies along them."""
+    used = {len(layout.dev_matrix) - 1 - a for axes in layout.tensor_map for a in axes}
+    return [i for i in range(len(layout.dev_matrix)) if i not in used]
+
+
+def _mp_index(layout: Layout, local: int) -> tuple[int, ...]:
+    """The model-parallel chunk index per tensor dim held by stage-local rank `local`."""
+    coord = _coords(layout, local)
     out = []
     for axes in layout.tensor_map:
         idx = 0
@@ -210,16 +264,37 @@ def _mp_index(layout: Layout, local: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _groups(name: str, layout: Layout) -> dict[tuple[int, ...], list[int]]:
-    """Model-parallel chunk index -> the ascending stage-local ranks that hold that chunk (its repeat group)."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for local in range(layout.device_num):
-        groups.setdefault(_mp_index(layout, local), []).append(local)
-    size = layout.opt_size
-    if size > 1 and any(len(g) % size for g in groups.values()):
-        raise ValueError(f"parameter {name!r}: optimizer shard size {size} does not divide the "
-                         f"{len(next(iter(groups.values())))} ranks that hold each slice")
-    return groups
+def _position(layout: Layout, local: int) -> int:
+    """`local`'s place in its ascending repeat group (the ranks with its chunk), by arithmetic: the group is the
+    free axes' coordinates in row-major order, so no loop over the (file-given, maybe absurd) device count."""
+    coord, pos = _coords(layout, local), 0
+    for i in _free(layout):
+        pos = pos * layout.dev_matrix[i] + coord[i]
+    return pos
+
+
+def _check_opt(name: str, layout: Layout) -> None:
+    group = math.prod(layout.dev_matrix[i] for i in _free(layout))
+    if layout.opt_size > 1 and group % layout.opt_size:
+        raise ValueError(f"parameter {name!r}: optimizer shard size {layout.opt_size} does not divide the "
+                         f"{group} ranks that hold each slice")
+
+
+def _holders(layout: Layout, idx: tuple[int, ...], j: int, size: int, limit: int = 8) -> list[int]:
+    """The first `limit` stage-local ranks holding chunk `idx`, optimizer shard j of `size` (for messages)."""
+    m, coord = len(layout.dev_matrix), [0] * len(layout.dev_matrix)
+    for v, axes in zip(idx, layout.tensor_map):
+        for a in reversed(axes):
+            coord[m - 1 - a], v = v % layout.axis_size(a), v // layout.axis_size(a)
+    free = _free(layout)
+    out = []
+    for p in range(j, math.prod(layout.dev_matrix[i] for i in free), size):
+        for i in reversed(free):
+            coord[i], p = p % layout.dev_matrix[i], p // layout.dev_matrix[i]
+        out.append(sum(c * math.prod(layout.dev_matrix[i + 1:]) for i, c in enumerate(coord)))
+        if len(out) == limit:
+            break
+    return out
 
 
 def _cut(name: str, t: torch.Tensor, dim: int, parts: int, idx: int) -> torch.Tensor:
@@ -239,8 +314,8 @@ def slice_of(full: torch.Tensor, layout: Layout, rank: int, *, opt_sharded: bool
     for dim, (idx, parts) in enumerate(zip(_mp_index(layout, local), layout.splits)):
         out = _cut(name, out, dim, parts, idx)
     if opt_sharded and layout.opt_size > 1:
-        group = _groups(name, layout)[_mp_index(layout, local)]
-        out = _cut(name, out, 0, layout.opt_size, group.index(local) % layout.opt_size)
+        _check_opt(name, layout)
+        out = _cut(name, out, 0, layout.opt_size, _position(layout, local) % layout.opt_size)
     return out.clone()
 
 
@@ -272,30 +347,39 @@ def merge(name: str, layout: Layout, slices: dict[int, torch.Tensor], *, opt_sha
     if not layout.tensor_map and size == 1:
         out = first
     else:
+        _check_opt(name, layout)
+        chunks: dict[tuple, torch.Tensor] = {}  # (model-parallel index, optimizer shard) -> the lowest rank's slice
+        for local, t in sorted(by_local.items()):
+            chunks.setdefault((_mp_index(layout, local), _position(layout, local) % size), t)
+        need = math.prod(splits) * size  # bounded by the slices at hand before any loop over it or allocation
+        if len(chunks) < need:
+            missing = []
+            for flat in range(need):  # lazily (itertools.product would materialize each range)
+                key = []
+                for radix in (*splits, size)[::-1]:
+                    flat, digit = divmod(flat, radix)
+                    key.append(digit)
+                idx, j = tuple(key[:0:-1]), key[0]
+                if (idx, j) not in chunks:
+                    missing.append(_holders(layout, idx, j, size))
+                    if len(missing) > 8:
+                        break
+            raise ValueError(f"parameter {name!r}: {need - len(chunks)} slice(s) missing, each needs the checkpoint "
+                             f"of one of the ranks in {missing[:8]}{' ...' if need - len(chunks) > 8 else ''} "
+                             f"(stage-local ranks; add k*{n} for pipeline stage k)")
         piece = list(first.shape)
         if size > 1:
             piece[0] *= size
         shape = [p * s for p, s in zip(piece, splits)] if layout.tensor_map else piece
         out = torch.empty(shape, dtype=first.dtype)
-        missing: list[list[int]] = []
-        for idx, group in _groups(name, layout).items():
-            chunks = []
-            for j in range(size):
-                holders = [r for i, r in enumerate(group) if i % size == j]
-                got = next((by_local[r] for r in holders if r in by_local), None)
-                if got is None:
-                    missing.append(holders)
-                chunks.append(got)
-            if any(c is None for c in chunks):
-                continue
+        for idx, j in chunks:
+            if j:
+                continue  # shard 0 places the whole chunk
             dst = out
             for dim, (i, parts) in enumerate(zip(idx, splits)):
                 dst = dst.narrow(dim, i * (shape[dim] // parts), shape[dim] // parts)
-            dst.copy_(torch.cat(chunks, 0) if size > 1 else chunks[0])
-        if missing:
-            raise ValueError(f"parameter {name!r}: {len(missing)} slice(s) missing, each needs the checkpoint of one "
-                             f"of the ranks in {missing[:8]}{' ...' if len(missing) > 8 else ''} (stage-local ranks; "
-                             f"add k*{n} for pipeline stage k)")
+            got = [chunks[(idx, k)] for k in range(size)]
+            dst.copy_(torch.cat(got, 0) if size > 1 else got[0])
     if full_shape is not None and tuple(out.shape) != tuple(full_shape):
         raise ValueError(f"parameter {name!r}: merged shape {tuple(out.shape)}, expected {tuple(full_shape)}")
     return out
