@@ -91,6 +91,12 @@ def scale(raw: dict) -> tuple[dict, int]:
               or 1)
     mc = ((r.get("model") or {}).get("model_config")) or {}
     layers = max(2, 2 * pp * vpp)
+    if r.get("use_legacy") is False:  # 2.x: sizes absent from the YAML came from pretrained_model_dir's config.json
+        for key in ("hidden_size", "intermediate_size", "vocab_size", "head_dim"):
+            mc.setdefault(key, _TINY[key])
+        mc.setdefault("num_hidden_layers", 2)
+        mc.setdefault("num_attention_heads", 8)
+        mc.setdefault("num_key_value_heads", 4)
     mc.update({k: v for k, v in _TINY.items() if k in mc})
     mc.update({k: layers for k in _LAYERS if k in mc})
     for key in ("pad_token_id", "bos_token_id", "eos_token_id", "eod_token_id"):  # ids inside the tiny vocab
@@ -111,10 +117,15 @@ def scale(raw: dict) -> tuple[dict, int]:
         moe.update({"expert_num": 8, **{k: 2 for k in ("num_experts_chosen",) if k in moe},
                     **{k: 32 for k in ("moe_intermediate_size",) if k in moe}})
     rec = r.get("recompute_config")
-    if isinstance(rec, dict):  # per-stage lists keep pp entries, each at most the layers of a stage
-        for k, v in rec.items():
-            if isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-                rec[k] = [min(x, layers // pp) for x in v[:pp]]
+    def per_stage(d: dict) -> None:  # per-stage lists keep pp entries, each at most the layers of a stage
+        for k, v in d.items():
+            if isinstance(v, dict):  # select_recompute: {pattern: [per stage]}
+                per_stage(v)
+            elif isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                d[k] = [min(x, layers // pp) for x in v[:pp]]
+
+    if isinstance(rec, dict):
+        per_stage(rec)
     if not Path(str(r.get("pretrained_model_dir") or "")).is_dir():
         r.pop("pretrained_model_dir", None)  # a path on the machine that ran it
     world = math.prod(deg.values()) if r.get("use_parallel", True) else 1  # use_parallel: False runs on one device

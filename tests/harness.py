@@ -142,3 +142,31 @@ def worst_over_ranks(per_rank) -> dict:
         for case, errs in res.items():
             worst[case] = tuple(max(a, b) for a, b in zip(worst.get(case, errs), errs))
     return worst
+
+
+def _isolated_child(fn, args, out) -> None:
+    try:
+        out.put((True, pickle.dumps(fn(*args))))
+    except BaseException:
+        out.put((False, traceback.format_exc()))
+
+
+def run_isolated(fn, *args, timeout: float = 300):
+    """fn(*args) in a fresh interpreter (spawn, not a daemon, so fn may fork its own workers): code that forks
+    (msparallel-ds train's local launcher) must not fork the pytest process, whose earlier tests left thread pools
+    that a forked child can deadlock on. fn must be importable by name; its exception is re-raised here as text."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_isolated_child, args=(fn, args, out))
+    proc.start()
+    try:
+        ok, payload = out.get(timeout=timeout)
+    except queue.Empty:
+        raise TimeoutError(f"{getattr(fn, '__name__', fn)} did not finish within {timeout:.0f} s") from None
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+    if not ok:
+        raise DistributedTestError(payload)
+    return pickle.loads(payload)

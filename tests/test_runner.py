@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import run_isolated  # a fresh interpreter: the runner forks its ranks
 from msparallel_ds.config.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ def _metrics(out):
 def test_train_4_processes_equals_1_process_and_resumes(tmp_path):
     from msparallel_ds.run.launch import run
 
-    straight = run(_args(tmp_path / "a", nproc=4))
+    straight = run_isolated(run, _args(tmp_path / "a", nproc=4))
     steps = straight["total_steps"]
     assert steps == 96 // 8 and straight["step"] == steps  # 96 rows / (batch 4 x dp 2), one epoch
     losses = [straight["losses"][s] for s in range(1, steps + 1)]
@@ -42,21 +43,22 @@ def test_train_4_processes_equals_1_process_and_resumes(tmp_path):
     assert (tmp_path / "a" / "hf" / "config.json").is_file()
     assert [m["step"] for m in _metrics(tmp_path / "a")] == list(range(1, steps + 1))
 
-    one = run(_args(tmp_path / "one", "parallel_config.data_parallel=1", "parallel_config.model_parallel=1",
-                    "runner_config.batch_size=8"))  # the same global batches (full_batch: the same rows per step)
+    one = run_isolated(run, _args(tmp_path / "one", "parallel_config.data_parallel=1",
+                                  "parallel_config.model_parallel=1", "runner_config.batch_size=8"))  # the same global batches (full_batch: the same rows per step)
     assert max(abs(one["losses"][s] - straight["losses"][s]) for s in range(1, steps + 1)) < 2e-4
 
     # weights from the run's HF folder and from its engine.save checkpoint (weights only): the same model
     one_proc = ("parallel_config.data_parallel=1", "parallel_config.model_parallel=1", "runner_config.batch_size=8")
-    from_hf = run(_args(tmp_path / "c", f"load_checkpoint={tmp_path / 'a' / 'hf'}", *one_proc, stop_after=1))
-    from_ck = run(_args(tmp_path / "d", f"load_checkpoint={tmp_path / 'a' / 'checkpoint' / f'step_{steps}'}",
-                        *one_proc, stop_after=1))
+    from_hf = run_isolated(run, _args(tmp_path / "c", f"load_checkpoint={tmp_path / 'a' / 'hf'}", *one_proc,
+                                      stop_after=1))
+    from_ck = run_isolated(run, _args(tmp_path / "d", f"load_checkpoint={tmp_path / 'a' / 'checkpoint' / f'step_{steps}'}",
+                                      *one_proc, stop_after=1))
     assert abs(from_hf["losses"][1] - from_ck["losses"][1]) < 1e-5
     assert from_hf["losses"][1] < straight["losses"][1] - 1.0  # trained weights, not a fresh init
 
-    first = run(_args(tmp_path / "b", nproc=4, stop_after=5))
+    first = run_isolated(run, _args(tmp_path / "b", nproc=4, stop_after=5))
     assert first["step"] == 5 and sorted(os.listdir(tmp_path / "b" / "checkpoint")) == ["step_2", "step_4"]
-    resumed = run(_args(tmp_path / "b", "resume_training=true", nproc=4))
+    resumed = run_isolated(run, _args(tmp_path / "b", "resume_training=true", nproc=4))
     assert sorted(resumed["losses"]) == list(range(5, steps + 1))  # from the newest complete checkpoint, step 4
     assert max(abs(resumed["losses"][s] - straight["losses"][s]) for s in resumed["losses"]) < 1e-6
     assert [m["step"] for m in _metrics(tmp_path / "b")] == list(range(1, steps + 1))  # step 5 logged once

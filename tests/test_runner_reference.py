@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import run_isolated
+
 REF = Path(__file__).resolve().parent / "fixtures" / "mf_reference"
 
 
@@ -19,7 +21,7 @@ def _train(out, nproc, *sets):
     args = Namespace(file=str(REF / "run.yaml"), nproc=nproc, output_dir=str(out), stop_after=None, tensorboard=None,
                      override=[], set=[f"load_checkpoint={REF / 'tiny.ckpt'}",
                                        f"train_dataset.data_loader.dataset_dir={REF / 'data'}", *sets], timeout=300)
-    return run(args)
+    return run_isolated(run, args)  # a fresh interpreter: the runner forks its ranks
 
 
 def _check(result):
