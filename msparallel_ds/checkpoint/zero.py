@@ -63,25 +63,32 @@ def _sharded_records(engine, stage, opt, keys):
     """(name, Shard, {key: tp-local tensor}) of the chunks this rank writes (checkpoint.sharded.writes); at ZeRO 1/2
     every dp rank rebuilds each parameter's tensors in turn (a dp all-reduce of that parameter) and only the
     writer keeps them."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
     from .sharded import writes
 
     for i, (name, p) in enumerate(engine.model.named_parameters()):
         shard, mine = engine.spec.get(name), writes(engine.layout, engine.spec.get(name), i)
-        if not p.requires_grad:  # frozen (pet_config LoRA): the module weight is the value
-            rec = {"fp32": _frozen(p, stage)} if mine or stage == 3 else None
-        elif stage == 0:
-            state = opt.state.get(p, {})
-            rec = {"fp32": p.detach().float(), **{k: state[k] for k in keys if k in state}} if mine else None
-        else:
-            rec = {"fp32": safe_get_full_fp32_param(p)}
-            for k in keys if opt.state else ():  # no Adam state before the first step
-                value = safe_get_full_optimizer_state(p, k)
-                if value is not None:
-                    rec[k] = value
-        if mine:
-            yield name, shard, rec
+        # ZeRO 1/2 (trainable) and ZeRO-3 rebuild the record collectively: every dp rank joins, the writer keeps it
+        if mine or stage == 3 or (stage > 0 and p.requires_grad):
+            rec = _param_record(p, stage, opt, keys)
+            if mine:
+                yield name, shard, rec
+
+
+def _param_record(p, stage: int, opt, keys) -> dict[str, Tensor]:
+    """One parameter's tp-local fp32 weight and optimizer moments (ZeRO > 0: rebuilt over dp, a collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    if not p.requires_grad:  # frozen (pet_config LoRA): no optimizer copy; the module weight is the value
+        return {"fp32": _frozen(p, stage)}
+    if stage == 0:
+        state = opt.state.get(p, {})
+        return {"fp32": p.detach().float(), **{k: state[k] for k in keys if k in state}}
+    rec = {"fp32": safe_get_full_fp32_param(p)}
+    for k in keys if opt.state else ():  # no Adam state before the first step
+        value = safe_get_full_optimizer_state(p, k)
+        if value is not None:
+            rec[k] = value
+    return rec
 
 
 def _optimizer_step(opt) -> float:
@@ -91,8 +98,6 @@ def _optimizer_step(opt) -> float:
 
 def save_checkpoint(engine, save_dir: str, *, sharded: bool = False, async_save: bool = False) -> None:
     """Every rank calls; global rank 0 writes save_dir/FILE, or (sharded) every rank its chunks (checkpoint.sharded)."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
     stage, layout, spec = _check_stage(engine), engine.layout, engine.spec
     if sharded or async_save:
         from .sharded import save_sharded
@@ -111,18 +116,7 @@ def save_checkpoint(engine, save_dir: str, *, sharded: bool = False, async_save:
         _link_optimizer_state(engine)
     params: dict[str, dict[str, Tensor]] = {}
     for name, p in engine.model.named_parameters():
-        if not p.requires_grad:  # frozen (pet_config LoRA): no optimizer copy; the module weight is the value
-            rec = {"fp32": _frozen(p, stage)}
-        elif stage == 0:
-            state = opt.state.get(p, {})
-            rec = {"fp32": p.detach().float(), **{k: state[k] for k in keys if k in state}}
-        else:
-            rec = {"fp32": safe_get_full_fp32_param(p)}
-            for k in keys if opt.state else ():  # no Adam state before the first step
-                value = safe_get_full_optimizer_state(p, k)
-                if value is not None:
-                    rec[k] = value
-        rec = {k: gather(v, spec.get(name), layout) for k, v in rec.items()}
+        rec = {k: gather(v, spec.get(name), layout) for k, v in _param_record(p, stage, opt, keys).items()}
         if rank0:
             params[name] = {k: v.detach().to("cpu", copy=True) for k, v in rec.items()}
     record = record_for(engine, params, _optimizer_step(opt), engine.model) if rank0 else None
