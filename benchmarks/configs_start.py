@@ -155,6 +155,19 @@ def _worker(rank: int, world: int, yaml_path: str, send) -> list[float]:
     return losses
 
 
+def _hf_folder(where: Path, moe: bool) -> str:
+    """A tiny HF model folder (config.json only), what a user of the 2.1 general templates points
+    pretrained_model_dir at: Qwen3 for the dense template, Qwen3-MoE for the MoE one."""
+    from transformers import AutoConfig
+
+    sizes = {k: _TINY[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "head_dim",
+                                   "max_position_embeddings")}
+    moe_sizes = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32} if moe else {}
+    AutoConfig.for_model("qwen3_moe" if moe else "qwen3", num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=4, **sizes, **moe_sizes).save_pretrained(where)
+    return str(where)
+
+
 def try_one(path: Path, tmp: Path) -> dict:
     import warnings
 
@@ -169,7 +182,10 @@ def try_one(path: Path, tmp: Path) -> dict:
     scaled, world = scale(raw)
     mc = (scaled.get("model") or {}).get("model_config") or {}
     if scaled.get("use_legacy") is False and not mc.get("model_type"):  # 2.x YAML whose HF config sat in a folder
-        mc["model_type"] = path.parent.name  # the family folder: qwen3, qwen3_moe
+        if path.parent.name == "general":  # the 2.1 templates take any HF model folder as pretrained_model_dir
+            scaled["pretrained_model_dir"] = _hf_folder(tmp / f"{path.stem}_hf", "moe" in path.name)
+        else:
+            mc["model_type"] = path.parent.name  # the family folder: qwen3, qwen3_moe
     out = tmp / path.name
     out.write_text(yaml.safe_dump(scaled))
     row["world"] = world

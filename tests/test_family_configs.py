@@ -137,3 +137,27 @@ def test_importer_maps_the_real_glm_yamls_and_names_families_without_adapter():
     with pytest.raises(ValueError, match=r"model\.model_config\.type='TelechatConfig'.*TeleChat.*these run: "
                                          r"parallel_config\.data_parallel"):
         model_from_yaml(SHARED / "telechat2__finetune_telechat_115b.yaml")
+
+
+def test_yaml_layer_count_over_a_folder_config_refits_uniform_layer_types(tmp_path):
+    """A 2.1 template's pretrained_model_dir holds a config.json listing one attention type per layer (Qwen3); a
+    YAML with another num_hidden_layers made HF refuse the config ("must be equal to the number of layer_types")."""
+    import yaml
+    from transformers import AutoConfig
+
+    from msparallel_ds.checkpoint.mindformers_model import model_from_yaml
+
+    folder = tmp_path / "hf"
+    AutoConfig.for_model("qwen3", num_hidden_layers=2, hidden_size=64, intermediate_size=128, vocab_size=256,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=8).save_pretrained(folder)
+    doc = {"use_legacy": False, "pretrained_model_dir": str(folder),
+           "model": {"model_config": {"num_hidden_layers": 4}}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    c = model_from_yaml(path).hf_config
+    assert c.num_hidden_layers == 4 and c.layer_types == ["full_attention"] * 4
+    cfg = AutoConfig.from_pretrained(folder)
+    cfg.layer_types = ["full_attention", "sliding_attention"]
+    cfg.save_pretrained(folder)
+    with pytest.raises(ValueError, match=r"num_hidden_layers=4 differs from the 2 per-layer attention types"):
+        model_from_yaml(path)

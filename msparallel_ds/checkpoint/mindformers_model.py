@@ -61,11 +61,25 @@ def _mcore_config(mc: Mapping, raw: Mapping, path) -> tuple[str, dict]:
         kw.pop(key, None)
     if rope is not None:
         kw["rope_parameters"] = rope
+    _fit_layer_types(kw, path)
     archs = mc.get("architectures") or kw.get("architectures")
     if archs:
         kw["architectures"] = [archs] if isinstance(archs, str) else list(archs)
     kw.pop("model_type", None)
     return str(model_type), kw
+
+
+def _fit_layer_types(kw: dict, path) -> None:
+    """A folder's config.json lists one attention type per layer; a YAML that sets another num_hidden_layers keeps
+    a uniform list uniform (one entry per layer, as HF builds it by default) and refuses a mixed one."""
+    types, n = kw.get("layer_types"), kw.get("num_hidden_layers")
+    if not isinstance(types, list) or not isinstance(n, int) or len(types) == n:
+        return
+    if len(set(types)) > 1:
+        raise _error(path, "num_hidden_layers", n, f"differs from the {len(types)} per-layer attention types "
+                     "(layer_types) of pretrained_model_dir's config.json, which mixes several",
+                     "set model_config.layer_types with one entry per layer, or keep the folder's layer count")
+    kw["layer_types"] = types[:1] * n
 
 
 # model_config sizes (MindFormers legacy and 2.x names) that must be positive integers when given

@@ -39,8 +39,10 @@ def optimizer_spec(cfg) -> tuple[Callable[..., torch.optim.Optimizer], dict[str,
     """(optimizer class, its keyword arguments) for the YAML's optimizer; groups come from optim.groups."""
     opt = cfg.optimizer
     if opt is None:
-        raise ValueError("the YAML has no `optimizer:` section; add one (e.g. type: AdamW) or pass "
-                         "msp.initialize(..., optimizer=lambda params: torch.optim.AdamW(params, lr=...))")
+        raise ValueError("the YAML has no `optimizer:` section (MindFormers cannot train it either: 1.3.2 "
+                         "trainer/base_trainer.py:487 reads config.optimizer.weight_decay); add one (e.g. type: "
+                         "AdamW) or pass msp.initialize(..., optimizer=lambda params: torch.optim.AdamW(params, "
+                         "lr=...))")
     fam = family(opt.type)
     if fam.name == "muon":
         return _muon_spec(cfg)
