@@ -65,5 +65,6 @@ def test_every_launcher_gives_the_self_spawned_losses(tmp_path):
         assert p.returncode == 0, (k, outs[k][-4000:])
     want = _losses(tmp_path / "self")
     assert len(want) == 2 and "step 2/" in outs["self"]
-    for k in cmds:
-        assert _losses(tmp_path / k) == want, (k, _losses(tmp_path / k), want)
+    for k in cmds:  # the same processes and collectives: equal up to float noise (they came out identical)
+        got = _losses(tmp_path / k)
+        assert len(got) == 2 and max(abs(g - w) / w for g, w in zip(got, want)) <= 1e-6, (k, got, want)
