@@ -1,7 +1,7 @@
 """The plan's per-rank memory estimate (msparallel_ds.memory.estimate_memory) against the measured peak of tensor
-memory per rank, for dense and pipeline layouts of benchmarks/train.py's model.
+memory per rank, for dense and pipeline layouts of benchmarks/common.py's model.
 
-Each layout trains train.py's tiny Llama (hidden 256, ffn 512, 4 layers, 8 heads / 4 kv heads, vocab 1024, seq 128,
+Each layout trains common.py's tiny Llama (hidden 256, ffn 512, 4 layers, 8 heads / 4 kv heads, vocab 1024, seq 128,
 global batch 8, fp32, AdamW, optimizer_level level2) through msp.initialize on `--world` gloo CPU processes for
 `--steps` steps. Measured per rank: the peak, over the last step, of the bytes held by torch tensors: the torch
 profiler's allocation events (profile_memory=True) recorded from before the model is built, so parameters,
@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import train  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
+import common  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
 from _ranks import run_ranks  # noqa: E402
 
 # name -> (dp, tp, pp, sequence parallel, pipeline scheduler); global batch and micro_batch_num from the options
@@ -41,10 +41,10 @@ MIB = float(1 << 20)
 
 
 def layout_yaml(args: dict, layout: tuple) -> dict:
-    """train.py's msp YAML for a layout (dp, tp, pp, sp, scheduler), with the model's real ffn size and attention
+    """common.py's msp YAML for a layout (dp, tp, pp, sp, scheduler), with the model's real ffn size and attention
     kernel in model_config (the estimate reads them: HF's sdpa runs a flash kernel here, no s x s scores kept)."""
     dp, tp, pp, sp, sched = layout
-    doc = train._yaml(args, {"dp": dp, "tp": tp, "sp": sp})
+    doc = common.msp_yaml(args, {"dp": dp, "tp": tp, "sp": sp})
     doc["model"]["model_config"].update(ffn_hidden_size=args["ffn"], use_flash_attention=args["attn"] == "sdpa")
     if pp > 1:
         mbn = args["micro_batches"]
@@ -177,10 +177,10 @@ def _rank_main(rank: int, world: int, layout: tuple, args: dict) -> dict:
     torch.set_num_threads(args["threads"])
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=args["timeout"]))
-    ids = train._batches(args)[0]
+    ids = common.fixed_batches(args)[0]
     doc = layout_yaml(args, layout)
     with PeakTracker(args.get("breakdown", False)) as tracker:
-        model = train._model(args)  # built under the tracker: the parameters count
+        model = common.tiny_llama(args)  # built under the tracker: the parameters count
         eng = msp.initialize(model, doc, optimizer=lambda p: torch.optim.AdamW(p, lr=args["lr"]))
         rows = eng.micro_batch_size * eng.gradient_accumulation_steps
         d = eng.layout.rank("dp")
@@ -250,7 +250,7 @@ def main() -> None:
             "warmup": 0, "steps": a.steps, "memory_steps": a.steps, "micro_batches": a.micro_batches,
             "breakdown": a.breakdown, "timeout": a.timeout}
     os.environ["OMP_NUM_THREADS"] = "1"
-    train._preload(args)
+    common.preload(args)
     results = []
     for name in a.layouts:
         dp, tp, pp, _, _ = LAYOUTS[name]

@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import train  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
+import common  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
+import train  # noqa: E402
 
 BASE, OURS = "ds_zero2", "msp_dp"
 
@@ -71,10 +72,11 @@ def main() -> None:
             "layers": a.layers, "heads": a.heads, "kv_heads": a.kv_heads, "vocab": a.vocab, "seq": a.seq,
             "global_batch": a.rows_per_rank * a.world, "attn": "sdpa", "lr": 1e-3, "warmup": a.warmup,
             "steps": a.steps, "repeats": a.rounds, "timeout": 300}
-    train._preload(args)
+    common.preload(args)
     import msparallel_ds as msp
 
-    plan = msp.make_plan(msp.load_config(train._yaml(args, train._layout(OURS, a.world, 1))), world_size=a.world)
+    plan = msp.make_plan(msp.load_config(common.msp_yaml(args, train._layout(OURS, a.world, 1))),
+                         world_size=a.world)
     args["zero"] = plan.to_deepspeed()["zero_optimization"]
     load0, t0 = os.getloadavg(), time.monotonic()
     rounds = []

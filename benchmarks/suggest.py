@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import train  # noqa: E402  (benchmarks/train.py: the tiny Llama, its batches and preloading)
+import common  # noqa: E402  (benchmarks/common.py: the tiny Llama, its batches and preloading)
 from _ranks import run_ranks  # noqa: E402
 
 # (DeepSeek-V3's 1024-device search takes minutes on 2 cores: pass it with --configs to include it)
@@ -58,8 +58,8 @@ def spearman(x: list[float], y: list[float]) -> float:
 
 
 def _base_yaml(args: dict) -> dict:
-    y = train._yaml(args, {"dp": args["world"], "tp": 1, "sp": False})
-    y["model"]["model_config"]["ffn_hidden_size"] = args["ffn"]  # train._yaml leaves it to the HF model
+    y = common.msp_yaml(args, {"dp": args["world"], "tp": 1, "sp": False})
+    y["model"]["model_config"]["ffn_hidden_size"] = args["ffn"]  # msp_yaml leaves it to the HF model
     return y
 
 
@@ -80,9 +80,9 @@ def _rank_main(rank: int, world: int, yaml_dict: dict, args: dict) -> dict:
     from datetime import timedelta
 
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=args["timeout"]))
-    batches = train._batches(args)
+    batches = common.fixed_batches(args)
     lr = args["lr"]
-    eng = msp.initialize(train._model(args), yaml_dict, optimizer=lambda p: torch.optim.AdamW(p, lr=lr))
+    eng = msp.initialize(common.tiny_llama(args), yaml_dict, optimizer=lambda p: torch.optim.AdamW(p, lr=lr))
     rows = args["global_batch"] // eng.layout.size("dp")
     d = eng.layout.rank("dp")
     times = []
@@ -168,7 +168,7 @@ def main() -> None:
     links, calib = calibrate(world=args["world"])  # before the heavy imports: the probe spawns `world` processes
     links = replace(links, devices_per_node=args["world"], **({"mfu": a.mfu} if a.mfu else {}))
     print("calibration: " + json.dumps(calib, default=str), flush=True)
-    train._preload(args)
+    common.preload(args)
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     res = search(read_model(_base_yaml(args)), args["world"], host / args["world"], links)
     cands = res.candidates

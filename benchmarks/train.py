@@ -42,7 +42,6 @@ import itertools
 import json
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
@@ -54,80 +53,13 @@ sys.path.insert(0, str(ROOT))
 
 from _collectives import count_collectives  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
 from _ranks import run_ranks  # noqa: E402
+from common import fixed_batches, msp_yaml, peak_rss_mib, preload, rss_mib, tiny_llama  # noqa: E402
 
 VARIANTS = ("ds_zero2", "msp_dp", "msp_tp", "msp_tp_sp", "ds_autotp")
 BASELINE = "ds_zero2"
-# Imported before forking (some lazily by the engines: DeepSpeed's ZeRO optimizer check imports its Muon
-# optimizer, which pulls in torch inductor, about 7 s per process on a busy 2-core machine).
-PRELOAD = ("deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage_1_and_2",
-           "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.module_inject.auto_ep_config",
-           "deepspeed.module_inject.auto_tp", "deepspeed.module_inject.layers", "deepspeed.module_inject.tp_shard",
-           "deepspeed.module_inject.tp_plan_converter", "deepspeed.module_inject.autotp_config",
-           "deepspeed.module_inject.replace_module", "transformers", "transformers.models.llama.modeling_llama",
-           "msparallel_ds", "msparallel_ds.engine", "msparallel_ds.strategy", "msparallel_ds.distributed.layout",
-           "msparallel_ds.context_parallel.batch", "msparallel_ds.tensor_parallel.apply",
-           "msparallel_ds.tensor_parallel.vocab")
-
-
 def _layout(name: str, world: int, tp: int) -> dict:
     t = 1 if name in ("ds_zero2", "msp_dp") else tp
     return {"dp": world // t, "tp": t, "sp": name == "msp_tp_sp"}
-
-
-def _yaml(args: dict, lay: dict) -> dict:
-    """The MindFormers YAML (as a dict) of an msp variant: ZeRO-2, no clipping, micro batch = global / dp."""
-    return {
-        "parallel_config": {"data_parallel": lay["dp"], "model_parallel": lay["tp"], "context_parallel": 1,
-                            "pipeline_stage": 1, "use_seq_parallel": lay["sp"], "vocab_emb_dp": True,
-                            "micro_batch_num": 1},
-        "parallel": {"enable_parallel_optimizer": True,
-                     "parallel_optimizer_config": {"optimizer_level": "level2"}},
-        "runner_config": {"batch_size": args["global_batch"] // lay["dp"], "gradient_accumulation_steps": 1},
-        "runner_wrapper": {"use_clip_grad": False},
-        "model": {"model_config": {"num_layers": args["layers"], "num_heads": args["heads"],
-                                   "n_kv_heads": args["kv_heads"], "hidden_size": args["hidden"],
-                                   "seq_length": args["seq"], "vocab_size": args["vocab"],
-                                   "compute_dtype": "float32", "param_init_type": "float32"}},
-    }
-
-
-def _model(args: dict):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)  # identical initial weights in every variant and on every rank
-    cfg = LlamaConfig(vocab_size=args["vocab"], hidden_size=args["hidden"], intermediate_size=args["ffn"],
-                      num_hidden_layers=args["layers"], num_attention_heads=args["heads"],
-                      num_key_value_heads=args["kv_heads"], max_position_embeddings=args["seq"],
-                      attention_dropout=0.0, attn_implementation=args["attn"])
-    return LlamaForCausalLM(cfg).float()
-
-
-def _batches(args: dict) -> list:
-    """One fixed random global batch, trained on at every step: the loss then falls step after step (the model
-    memorises it), which shows that every variant trains, and trains the same thing."""
-    import torch
-
-    g = torch.Generator().manual_seed(1234)
-    ids = torch.randint(0, args["vocab"], (args["global_batch"], args["seq"]), generator=g)
-    return [ids] * (args["warmup"] + args["steps"])
-
-
-def _rss_mib() -> float:
-    """Current resident set size of this process (Linux /proc; ru_maxrss elsewhere)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return _peak_rss_mib()
-
-
-def _peak_rss_mib() -> float:
-    per_mib = 2**20 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / per_mib
 
 
 def _deepspeed_engine(model, args, lay, zero, device):
@@ -175,7 +107,7 @@ def _msp_engine(model, args, lay):
     import msparallel_ds as msp
 
     lr = args["lr"]
-    eng = msp.initialize(model, _yaml(args, lay), optimizer=lambda p: torch.optim.AdamW(p, lr=lr))
+    eng = msp.initialize(model, msp_yaml(args, lay), optimizer=lambda p: torch.optim.AdamW(p, lr=lr))
     rows = eng.micro_batch_size * eng.gradient_accumulation_steps
     dp_rank = eng.layout.rank("dp")
     assert eng.layout.size("dp") * rows == args["global_batch"], "global batch does not split over dp"
@@ -211,14 +143,14 @@ def _rank_main(rank: int, world: int, name: str, args: dict) -> dict:
                             timeout=timedelta(seconds=args["timeout"]))
     marks["pg"] = time.perf_counter()
     lay = _layout(name, world, args["tp"])
-    batches = _batches(args)
-    model = _model(args)
+    batches = fixed_batches(args)
+    model = tiny_llama(args)
     if cuda:
         model.to(device)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() / 2**20
     else:
-        base = _rss_mib()
+        base = rss_mib()
     marks["model"] = time.perf_counter()
     if name.startswith("ds_"):
         step, global_loss, ds_cfg = _deepspeed_engine(model, args, lay, args["zero"], device)
@@ -242,7 +174,7 @@ def _rank_main(rank: int, world: int, name: str, args: dict) -> dict:
             total[0], total[1] = total[0] + calls / args["steps"], total[1] + nbytes / args["steps"]
         losses.append(global_loss(loss))
     marks["steps"] = time.perf_counter()
-    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _peak_rss_mib()
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_rss_mib()
     keys = list(marks)
     res = {"phases_s": {k: marks[k] - marks[p] for p, k in itertools.pairwise(keys)}, "times_s": times,
            "cpu_times_s": cpu_times, "losses": losses, "peak_mib": peak, "base_mib": base,
@@ -268,25 +200,6 @@ def _run_group(name: str, args: dict) -> dict:
             "collectives_per_step": ranks[0]["collectives_per_step"], "losses": ranks[0]["losses"],
             "final_loss": ranks[0]["losses"][-1], "ds_config": ranks[0]["ds_config"],
             "phases_s": {k: max(r["phases_s"][k] for r in ranks) for k in ranks[0]["phases_s"]}, "wall_s": wall}
-
-
-def _preload(args: dict) -> None:
-    """Import the heavy modules (and the lazily imported ones a run touches) once here, so forked groups start
-    without re-importing them; one thread and no parallel region here, so forking stays safe."""
-    if args["device"] == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import importlib
-
-    import torch
-
-    torch.set_num_threads(1)
-    for mod in PRELOAD:
-        try:
-            importlib.import_module(mod)
-        except ImportError:  # a module moved: it is then imported by the runs themselves, only slower
-            pass
-    if args["device"] == "cpu":
-        _model(args)  # the first build also resolves transformers' lazy imports (attention, init functions)
 
 
 def _memory_columns(name: str, args: dict, row: dict, world: int) -> dict:
@@ -397,7 +310,7 @@ def main() -> None:
                                        "repeats", "timeout")}
     if a.global_batch % a.world or a.world % a.tp:
         ap.error(f"--global-batch {a.global_batch} must split over --world {a.world}, and --tp {a.tp} divide it")
-    _preload(args)
+    preload(args)
     import deepspeed
     import torch
     import transformers
@@ -405,7 +318,7 @@ def main() -> None:
     import msparallel_ds as msp
 
     # (a) uses exactly the ZeRO section that (b)'s YAML maps to, so the two differ only in the engine path.
-    plan = msp.make_plan(msp.load_config(_yaml(args, _layout("msp_dp", a.world, a.tp))), world_size=a.world)
+    plan = msp.make_plan(msp.load_config(msp_yaml(args, _layout("msp_dp", a.world, a.tp))), world_size=a.world)
     args["zero"] = plan.to_deepspeed()["zero_optimization"]
     names = list(dict.fromkeys([BASELINE] + a.variants))
     raw = {n: [] for n in names}

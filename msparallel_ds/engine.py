@@ -37,7 +37,7 @@ from . import runtime
 from .context_parallel.batch import inputs_and_targets
 from .distributed.collectives import start_sum_over, sum_over
 from .distributed.layout import ParallelLayout
-from .loss import check_batch, check_finite_step, grads_norm_flag, start_global_token_counts, token_loss_sum
+from .loss import check_batch, check_finite_step, start_global_token_counts, token_loss_sum
 from .strategy import Applied
 
 __all__ = ["Engine", "initialize"]
@@ -196,8 +196,13 @@ class Engine:
             self._own_norm = float(clip_grad_norm_(self._grads(), self._own_clip, self.layout, device=self.device))
             if guard:
                 check_finite_step(self.global_steps, grad_norm=self._own_norm)
-        elif guard and self.ds.zero_optimization_stage() == 0:  # DeepSpeed's ZeRO-0 step keeps no norm
-            check_finite_step(self.global_steps, grad_norm=grads_norm_flag(self._grads(), self.device))
+        elif guard and self.ds.zero_optimization_stage() == 0:
+            # DeepSpeed's ZeRO-0 step keeps no norm (its fp32 clip drops the one it computes): the global norm, for
+            # the finite check and the log, costs what a per-rank flag would (one reduction per grad, one all-reduce)
+            from .distributed.collectives import global_grad_norm
+
+            self._own_norm = float(global_grad_norm(self._grads(), self.layout, device=self.device))
+            check_finite_step(self.global_steps, grad_norm=self._own_norm)
 
     def _grads(self) -> list:
         """The parameters holding a gradient (listed only where a step needs them: the walk costs per step)."""
@@ -213,8 +218,9 @@ class Engine:
 
     @property
     def global_grad_norm(self) -> Optional[float]:
-        """The last step's global gradient norm before clipping (None when no clipping ran)."""
-        if self._own_clip:
+        """The last step's global gradient norm before clipping (None only where nothing computed one: a DeepSpeed
+        override zero_optimization.compute_grad_norm: false)."""
+        if self._own_norm is not None:
             return self._own_norm
         norm = self.ds.get_global_grad_norm()
         return None if norm is None else float(norm)

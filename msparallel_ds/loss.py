@@ -12,7 +12,6 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -21,7 +20,7 @@ from .distributed.collectives import start_sum_over
 from .distributed.layout import ParallelLayout
 
 __all__ = ["check_batch", "check_finite_step", "global_token_count", "global_token_counts",
-           "start_global_token_counts", "grads_norm_flag", "token_loss_sum"]
+           "start_global_token_counts", "token_loss_sum"]
 
 
 def check_batch(batch: Mapping[str, Any], engine, accumulation_key: str) -> tuple[Tensor, Tensor]:
@@ -213,13 +212,3 @@ def check_finite_step(steps_done: int, *, loss=None, grad_norm=None, updated: bo
             f"{done}. Training diverged or this step's batch holds bad values: lower the learning rate "
             "(optimizer.learning_rate, or a longer warmup), enable gradient clipping (runner_wrapper.max_grad_norm), "
             "check this step's data, and resume from the last good checkpoint with engine.load")
-
-
-def grads_norm_flag(params, device) -> float:
-    """For a step that computes no gradient norm: nan when any rank's gradients hold NaN/inf, else 0.0 (one
-    all-reduce over the world, so every rank takes the same verdict; tp shards differ between ranks)."""
-    local = [torch.linalg.vector_norm(p.grad.float()) for p in params if p.grad is not None]
-    bad = torch.tensor(float(bool(local) and not bool(torch.isfinite(torch.stack(local)).all())), device=device)
-    if dist.is_initialized():
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return float("nan") if bad.item() else 0.0

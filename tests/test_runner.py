@@ -46,6 +46,9 @@ def test_train_4_processes_equals_1_process_and_resumes(tmp_path):
     one = run_isolated(run, _args(tmp_path / "one", "parallel_config.data_parallel=1",
                                   "parallel_config.model_parallel=1", "runner_config.batch_size=8"))  # the same global batches (full_batch: the same rows per step)
     assert max(abs(one["losses"][s] - straight["losses"][s]) for s in range(1, steps + 1)) < 2e-4
+    norms = [(m["grad_norm"], r["grad_norm"]) for m, r in zip(_metrics(tmp_path / "a"), _metrics(tmp_path / "one"))]
+    assert all(g is not None for pair in norms for g in pair), norms  # logged in every layout, never 'n/a'
+    assert max(abs(g - r) / r for g, r in norms) < 1e-3, norms  # the global norm: the same as one process's
 
     # weights from the run's HF folder and from its engine.save checkpoint (weights only): the same model
     one_proc = ("parallel_config.data_parallel=1", "parallel_config.model_parallel=1", "runner_config.batch_size=8")

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["all_reduce", "all_gather_along", "all_to_all_v", "exchange_counts", "reduce_scatter_along",
            "start_reduce_scatter", "split_along", "gather_ints", "start_gather_ints", "dtype_code", "sum_over",
-           "start_sum_over", "all_reduce_flat", "clip_grad_norm_"]
+           "start_sum_over", "all_reduce_flat", "global_grad_norm", "clip_grad_norm_"]
 
 
 # ---------------------------------------------------------------------------------------------- group-level
@@ -247,16 +247,15 @@ def _sum_bucket(tensors: list[Tensor], group) -> None:
     flat.untyped_storage().resize_(0)
 
 
-def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, layout: ParallelLayout,
-                    device: Optional[torch.device] = None) -> Tensor:
-    """Scale the grads in place so their global L2 norm is at most max_norm; returns the norm before clipping.
-
-    Global over the model's shards: tp-sharded parameters (attribute tensor_model_parallel) count on every tp rank,
-    replicated ones on tp rank 0 only, and the squares are summed over "pp_tp" (the stages and tp shards of one
-    replica; grads must already be summed over dp_cp). Expert-parallel parameters (attribute expert_parallel; their
-    grads already summed over edp) are distinct per ep rank: their squares are summed over "ep" (all of a stage's
-    experts) and then counted once per stage, on tp rank 0. Every param must have a grad. `device`: where the norm
-    is computed (default: the first grad's)."""
+def global_grad_norm(params: Iterable[torch.nn.Parameter], layout: ParallelLayout,
+                     device: Optional[torch.device] = None) -> Tensor:
+    """The global L2 norm of the grads (grads already summed over dp_cp), the same on every rank; non-finite when any
+    gradient is. Global over the model's shards: tp-sharded parameters (attribute tensor_model_parallel) count on
+    every tp rank, replicated ones on tp rank 0 only, and the squares are summed over "pp_tp" (the stages and tp
+    shards of one replica). Expert-parallel parameters (attribute expert_parallel; their grads already summed over
+    edp) are distinct per ep rank: their squares are summed over "ep" (all of a stage's experts) and then counted
+    once per stage, on tp rank 0. Every param must have a grad. `device`: where the norm is computed (default: the
+    first grad's)."""
     params = list(params)
     if device is None:
         device = params[0].grad.device if params else torch.device("cpu")
@@ -273,7 +272,15 @@ def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, layou
     if tp_rank0:
         sq += expert_sq
     sum_over(layout, "pp_tp", sq)
-    norm = sq.sqrt()
+    return sq.sqrt()
+
+
+def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, layout: ParallelLayout,
+                    device: Optional[torch.device] = None) -> Tensor:
+    """Scale the grads in place so their global L2 norm (global_grad_norm) is at most max_norm; returns the norm
+    before clipping."""
+    params = list(params)
+    norm = global_grad_norm(params, layout, device)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         p.grad.mul_(coef.to(p.grad.dtype))

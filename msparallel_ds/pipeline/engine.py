@@ -35,9 +35,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..context_parallel.batch import inputs_and_targets
-from ..distributed.collectives import all_reduce_flat, clip_grad_norm_, sum_over
+from ..distributed.collectives import all_reduce_flat, clip_grad_norm_, global_grad_norm, sum_over
 from ..distributed.layout import ParallelLayout
-from ..loss import check_batch, check_finite_step, global_token_count, grads_norm_flag, token_loss_sum
+from ..loss import check_batch, check_finite_step, global_token_count, token_loss_sum
 from ..strategy import Applied
 from .schedule import build_schedule
 from .split import split_model
@@ -128,6 +128,8 @@ class PipelineEngine:
         self.applied = applied
         self._records = tuple(records)  # every chunk's record (each has its own aux-loss state)
         self.last_aux_loss: Optional[float] = None  # the routers' aux + z loss of the last step (logged apart)
+        self.last_mtp_loss: Optional[float] = None  # not reported by the pipeline engine (None)
+        self.global_grad_norm: Optional[float] = None  # the last step's global gradient norm before clipping
         self.stage_ids, self.layout, self.plan, self.device = stage_ids, layout, plan, device
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.micro_batch_size = plan.micro_batch_size * plan.micro_batch_interleave_num
@@ -190,8 +192,11 @@ class PipelineEngine:
             all_reduce_flat(experts, self.layout, "edp", bucket)
         clip = self.plan.gradient_clipping
         if clip:
-            return clip_grad_norm_(params, clip, self.layout, device=self.device)
-        return grads_norm_flag(params, self.device)  # no norm without clipping: nan if any gradient is not finite
+            norm = clip_grad_norm_(params, clip, self.layout, device=self.device)
+        else:  # the norm costs what a per-rank finiteness flag would; non-finite if any gradient is
+            norm = global_grad_norm(params, self.layout, device=self.device)
+        self.global_grad_norm = float(norm)
+        return self.global_grad_norm
 
     @property
     def _forwards(self) -> int:

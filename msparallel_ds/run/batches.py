@@ -5,7 +5,14 @@ Targets as MindFormers trains them, passed to train_batch already shifted (`shif
 row): MindRecord rows hold seq_length + 1 tokens and MindFormers' llama trains input_ids[:, :-1] on
 input_ids[:, 1:] (or labels[:, 1:]), masking the targets of pad_token_id inputs and of ignore labels (-100);
 input_sliced_sig rows are already split (tokens and their targets). GPTDataset and HF-handler rows hold input_ids
-with already shifted labels (and loss_mask)."""
+with already shifted labels (and loss_mask).
+
+A MindRecord loss_mask column (named in train_dataset.input_columns) counts as MindFormers 2.x counts it: 2.x hands
+columns to the model by name (DataOrderWrapperCell), and llama (models/llama/llama.py:642-676) then takes
+loss_mask[:, :-1] (aligned with the input tokens, like input_ids[:, :-1]) as the loss mask in place of the pad mask;
+the mcore GPTModel also multiplies in labels != -100, as here (a -100 label never counts). MindFormers 1.3.2 hands
+columns over by position, where a third column lands in llama's input_position (unused in training): it ignores
+loss_mask. attention_mask columns are not read (llama uses one as a [B, 1, S, S] attention mask, not a loss mask)."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional
@@ -21,9 +28,13 @@ def _to_hf(row: Dict[str, np.ndarray], kind: str, sliced: bool, pad: Optional[in
     ids = row["input_ids"].astype(np.int64)
     if kind == "MindDataset":
         labels = row.get("labels", ids).astype(np.int64).copy()
-        if not sliced:  # MindFormers: tokens = input_ids[:, :-1], labels = labels[:, 1:]
+        mask = row.get("loss_mask")
+        if not sliced:  # MindFormers: tokens = input_ids[:, :-1], labels = labels[:, 1:], loss_mask[:, :-1]
             ids, labels = ids[:-1], labels[1:].copy()
-        if pad is not None:  # input_mask = tokens != pad_token_id
+            mask = None if mask is None else mask[:-1]
+        if mask is not None:  # input_mask = loss_mask, in place of the pad mask
+            labels[mask == 0] = IGNORE_INDEX
+        elif pad is not None:  # input_mask = tokens != pad_token_id
             labels[ids == pad] = IGNORE_INDEX
         return {"input_ids": ids, "shift_labels": labels}
     target = row["labels"].astype(np.int64).copy()

@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="one YAML value, e.g. --set runner_config.epochs=2; repeatable, after --override")
     p.add_argument("--timeout", type=float, default=3600, help="seconds before local processes are stopped")
+    # the deepspeed launcher passes --local_rank=N to every process (LOCAL_RANK is in the environment too)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def _spec(args):

@@ -1,5 +1,9 @@
 """MFLossMonitor: a progress line every per_print_times steps on rank 0 (loss, lr, grad norm, tokens/s, step time,
-MFU estimate), output_dir/metrics.jsonl with one JSON object per step, TensorBoard scalars when asked."""
+MFU estimate), output_dir/metrics.jsonl with one JSON object per step, TensorBoard scalars when asked.
+
+grad norm: the global norm before clipping, which the engines compute every step in every layout (for clipping and
+the finite check); 'off' (null in metrics.jsonl) only where nothing computed one (a DeepSpeed override
+zero_optimization.compute_grad_norm: false), rather than a second pass over the gradients to compute it."""
 from __future__ import annotations
 
 import json
@@ -67,7 +71,7 @@ class LossMonitor:
         if step % self.every == 0 or step == self.total:
             extra = "".join(f", {k} {rec[k]:.5f}" for k in ("aux_loss", "mtp_loss") if k in rec)
             self.echo(f"step {step}/{self.total} loss {loss:.6f}{extra}, lr {lr if lr is None else f'{lr:.3e}'}, "
-                      f"grad norm {'n/a' if grad_norm is None else f'{grad_norm:.4f}'}, {tps:.0f} tokens/s, "
+                      f"grad norm {'off' if grad_norm is None else f'{grad_norm:.4f}'}, {tps:.0f} tokens/s, "
                       f"{seconds * 1000:.0f} ms/step, MFU {'n/a' if mfu is None else f'{mfu:.1%}'}")
         return rec
 
