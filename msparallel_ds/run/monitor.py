@@ -1,5 +1,6 @@
 """MFLossMonitor: a progress line every per_print_times steps on rank 0 (loss, lr, grad norm, tokens/s, step time,
-MFU estimate), output_dir/metrics.jsonl with one JSON object per step, TensorBoard scalars when asked.
+MFU estimate) and a tqdm progress bar on rank 0 when stderr is a terminal (progress=None; True/False force it),
+output_dir/metrics.jsonl with one JSON object per step, TensorBoard scalars when asked.
 
 grad norm: the global norm before clipping, which the engines compute every step in every layout (for clipping and
 the finite check); 'off' (null in metrics.jsonl) only where nothing computed one (a DeepSpeed override
@@ -27,11 +28,18 @@ def _peak_flops() -> Optional[float]:
 
 class LossMonitor:
     def __init__(self, output_dir: str, per_print_times: int, total_steps: int, rank: int, world: int,
-                 n_params: int, tensorboard: Optional[str] = None, echo=print):
+                 n_params: int, tensorboard: Optional[str] = None, echo=print, progress: Optional[bool] = None,
+                 bar_file=None):
         self.every, self.total, self.rank, self.world = max(1, int(per_print_times)), total_steps, rank, world
         self.n_params, self.echo, self.peak = n_params, echo, _peak_flops()
-        self._file = self._tb = None
+        self._file = self._tb = self._bar = None
         if rank == 0:
+            from tqdm.auto import tqdm  # disable=None: no bar when the output is not a terminal (logs, CI)
+
+            self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, file=bar_file,
+                             disable=None if progress is None else not progress)
+            if not self._bar.disable:  # log lines printed above the bar, not through it
+                self.echo = lambda text: self._bar.write(text, file=bar_file)
             os.makedirs(output_dir, exist_ok=True)
             self._file = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
             if tensorboard:
@@ -42,6 +50,7 @@ class LossMonitor:
         """After a resume: drop the records of steps past the checkpoint, which the run is about to redo."""
         if self._file is None:
             return
+        self._bar.update(step - self._bar.n)
         self._file.close()
         path = self._file.name
         with open(path, encoding="utf-8") as f:
@@ -64,6 +73,8 @@ class LossMonitor:
             return rec
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()
+        self._bar.update(step - self._bar.n)
+        self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         if self._tb is not None:
             for k, v in rec.items():
                 if k != "step" and v is not None:
@@ -76,6 +87,8 @@ class LossMonitor:
         return rec
 
     def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
         if self._file is not None:
             self._file.close()
         if self._tb is not None:
