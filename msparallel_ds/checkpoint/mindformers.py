@@ -27,7 +27,7 @@ from .mindformers_model import MindFormersModel, model_from_yaml
 from .paths import set_user_mode, temp_dir_beside
 from .weight_map import MappingError, to_hf, to_mf
 
-__all__ = ["export_mindspore", "import_mindspore", "mindformers_to_hf"]
+__all__ = ["export_mindspore", "import_mindspore", "mindformers_to_hf", "read_mtp_layers"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -39,10 +39,34 @@ def _meta_model(model: MindFormersModel):
 
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(model.hf_config)
+            meta = AutoModelForCausalLM.from_config(model.hf_config)
     except (AssertionError, ValueError, RuntimeError, TypeError) as e:  # e.g. a pad_token_id past the vocab
         raise ValueError(f"the YAML's model.model_config does not build a {model.hf_config.model_type} model: "
                          f"{e}") from None
+    _add_mtp(meta, model)
+    return meta
+
+
+def _mtp_depth(model: MindFormersModel) -> int:
+    return int(getattr(model.hf_config, "num_nextn_predict_layers", 0) or 0) if model.adapter.mindformers_mtp else 0
+
+
+def _add_mtp(hf_model, model: MindFormersModel) -> None:
+    """The MTP layers a MindFormers checkpoint of this family holds (models/mtp.py: HF layers N..N+D-1)."""
+    from ..models.mtp import add_mtp_layers
+
+    depth = _mtp_depth(model)
+    if depth:
+        add_mtp_layers(hf_model, depth)
+
+
+def _weights(hf_model) -> dict[str, Tensor]:
+    """Parameters and persistent buffers (e.g. DeepSeek-V3's router e_score_correction_bias): what a checkpoint
+    holds."""
+    keep = set(hf_model.state_dict())
+    out = dict(hf_model.named_parameters())
+    out.update({n: b for n, b in hf_model.named_buffers() if n in keep})
+    return out
 
 
 def _mindformers_shapes(model: MindFormersModel, expected: dict[str, Tensor]) -> dict[str, tuple]:
@@ -78,7 +102,7 @@ def mindformers_to_hf(src: str, config: str, *, strategy: Optional[str] = None,
 
     model = model_from_yaml(config, legacy_fused_layout=legacy_fused_layout)
     meta = _meta_model(model)
-    expected = dict(meta.named_parameters())
+    expected = _weights(meta)
     weights = read_mindspore_weights(src, strategy=strategy, full_shapes=_mindformers_shapes(model, expected))
     origin: dict[str, list[str]] = {}
     hf = to_hf(model.ops, weights.tensors, model.hf_config, origin=origin)
@@ -163,7 +187,7 @@ def import_mindspore(src: str, dst: str, config: str, *, strategy: Optional[str]
             "model_type": model.hf_config.model_type, "to_layout": to_layout}
 
 
-def _read_hf_dir(src: str) -> tuple[dict, dict[str, Tensor]]:
+def _read_hf_dir(src: str, model: MindFormersModel) -> tuple[dict, dict[str, Tensor]]:
     """(config.json, the model's parameters by name): transformers reads the folder, so every format it writes
     (one matrix per expert, sharded files) comes out under the model's own parameter names."""
     from transformers import AutoModelForCausalLM
@@ -178,7 +202,50 @@ def _read_hf_dir(src: str) -> tuple[dict, dict[str, Tensor]]:
         why = next((ln for ln in lines if "Unsupported global" in ln), lines[0] if lines else "")
         raise ValueError(f"{src}: its pytorch_model.bin holds objects other than tensors ({why}); it is read "
                          "weights-only and refused. Save the model with save_pretrained (safetensors)") from None
-    return json.loads(cfg_path.read_text()), {n: p.detach() for n, p in hf.named_parameters()}
+    if _mtp_depth(model):  # HF's loader skips layers past num_hidden_layers: the MTP layers are read here
+        _add_mtp(hf, model)
+        _read_mtp(src, hf, model)
+    return json.loads(cfg_path.read_text()), {n: p.detach() for n, p in _weights(hf).items()}
+
+
+def _read_mtp(src: str, hf, model: MindFormersModel) -> None:
+    missing = read_mtp_layers(src, hf, model.adapter)
+    if missing:
+        raise MappingError(f"{src}: the YAML's model has {_mtp_depth(model)} MTP layer(s) (num_nextn_predict_layers) "
+                           f"but the folder lacks {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
+
+
+def read_mtp_layers(src: str, hf, adapter) -> list[str]:
+    """Fill a HF model's MTP layers (layers past num_hidden_layers, models/mtp.py) from the HF folder SRC, which
+    HF's own loader skips, fusing one-matrix-per-expert keys as HF's loader does (adapter.checkpoint_sources).
+    Returns the names SRC lacks (nothing is loaded then)."""
+    from safetensors import safe_open
+
+    handles = {}
+    for f in sorted(Path(src).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            handles.update({k: f for k in h.keys()})
+    first = hf.config.num_hidden_layers
+    names = [n for n in _weights(hf) if n.startswith("model.layers.") and int(n.split(".")[2]) >= first]
+    experts = range(adapter.num_experts(hf.config))
+    state, missing = {}, []
+    for name in names:
+        groups = [[name]] if name in handles else adapter.checkpoint_sources(name, hf.config, experts)
+        if not groups or any(k not in handles for g in groups for k in g):
+            missing.append(name)
+            continue
+        rows = [torch.cat([_read_key(handles[k], k) for k in g]) for g in groups]
+        state[name] = rows[0] if groups == [[name]] else torch.stack(rows)
+    if not missing:
+        hf.load_state_dict(state, strict=False)
+    return missing
+
+
+def _read_key(path, key: str) -> Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as h:
+        return h.get_tensor(key)
 
 
 def export_mindspore(src: str, dst: str, config: str, *, fmt: str = "ckpt", dtype: Optional[str] = None,
@@ -193,13 +260,13 @@ def export_mindspore(src: str, dst: str, config: str, *, fmt: str = "ckpt", dtyp
     if Path(dst).exists():
         raise FileExistsError(f"{dst} exists; export-mindspore writes a new file")
     model = model_from_yaml(config, legacy_fused_layout=legacy_fused_layout)
-    saved, tensors = _read_hf_dir(src)
+    saved, tensors = _read_hf_dir(src, model)
     mine = model.hf_config.to_dict()
     for key in ARCH_KEYS:
         if saved.get(key) is not None and mine.get(key) is not None and saved[key] != mine[key]:
             raise ValueError(f"{src} is another model than {config} describes: {key}={saved[key]!r} in its "
                              f"config.json, {mine[key]!r} from the YAML; export with the YAML of this model")
-    _check(tensors, {n: p.shape for n, p in _meta_model(model).named_parameters()}, {}, set(), f"{src}")
+    _check(tensors, {n: p.shape for n, p in _weights(_meta_model(model)).items()}, {}, set(), f"{src}")
     mf = to_mf(model.ops, _cast(tensors, dtype), model.hf_config, fused=model.qkv_concat)
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
     if fmt == "ckpt":

@@ -161,7 +161,9 @@ def model_from_yaml(path: str | Path, *, legacy_fused_layout: str = "interleaved
             hf_config, legacy=False,
             qkv_interleaved=not mc.get("use_contiguous_weight_layout_attention", False),
             fc1_interleaved=bool(mc.get("use_interleaved_weight_layout_mlp", True)))
-        qkv_concat = True
+        # mcore fuses q/k/v always; MLA's down projections only with mla_qkv_concat (2.1 transformer_config.py:210)
+        qkv_concat = bool(mc.get("mla_qkv_concat", True)) if mc.get("multi_latent_attention") or \
+            model_type == "deepseek_v3" else True
     return MindFormersModel(hf_config, adapter, legacy, qkv_concat, ops)
 
 

@@ -12,13 +12,14 @@ some op (else it is "unknown"), and every name of the target model must be produ
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["Concat", "Experts", "Joined", "FusedGateUp", "FusedQKV", "MappingError", "Rename", "WeightOp", "to_hf", "to_mf"]
+__all__ = ["Concat", "ConcatSized", "Experts", "Joined", "FusedGateUp", "FusedQKV", "MappingError", "Rename", "State",
+           "WeightOp", "at", "to_hf", "to_mf"]
 
 
 class MappingError(ValueError):
@@ -43,6 +44,21 @@ class WeightOp:
 
 def Rename(mf: str, hf: str) -> WeightOp:  # noqa: N802 (reads like the other op constructors)
     return WeightOp((mf,), (hf,))
+
+
+def State(mf: str) -> WeightOp:  # noqa: N802
+    """A MindFormers training-state tensor with no HF counterpart (e.g. a router's token counters): import takes it
+    and drops it; export does not write it (MindFormers starts it at zero)."""
+    return WeightOp((mf,), ())
+
+
+def at(op: WeightOp, mf_prefix: str, hf_prefix: str) -> WeightOp:
+    """The op of one layer at other prefixes: `{L}`-patterns' "decoder.layers.{L}." / "model.layers.{L}." parts
+    replaced (e.g. an MTP layer's transformer layer, whose MindFormers and HF indices differ)."""
+    def sub(names, prefix):
+        return tuple(n.replace(n[: n.index("{L}.") + 4], prefix) if "{L}." in n else n for n in names)
+
+    return replace(op, mf=sub(op.mf, mf_prefix), hf=sub(op.hf, hf_prefix))
 
 
 def _heads(cfg: Any) -> tuple[int, int, int]:
@@ -109,6 +125,20 @@ class Concat(WeightOp):
 
     def to_mf(self, ts, cfg):
         return [torch.cat(ts, dim=self.dim)]
+
+
+@dataclass(frozen=True)
+class ConcatSized(WeightOp):
+    """Several HF tensors of different sizes concatenated along dim 0 in one MindFormers tensor; `sizes(cfg)` gives
+    their row counts (e.g. MindFormers' fused MLA down projection [q_a | kv_a])."""
+
+    sizes: Optional[Callable[[Any], list[int]]] = None
+
+    def to_hf(self, ts, cfg):
+        return [t.contiguous() for t in torch.split(ts[0], self.sizes(cfg))]
+
+    def to_mf(self, ts, cfg):
+        return [torch.cat(ts)]
 
 
 @dataclass(frozen=True)

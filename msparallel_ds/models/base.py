@@ -52,6 +52,7 @@ class DecoderAdapter:
     sequence_parallel_children: tuple[str, ...] = ()  # children of a layer that run on the SP sequence slice
     mindformers_names: dict[str, list[str]] = {}  # HF name inside a layer -> MindFormers cell names
     mindformers_top_names: dict[str, list[str]] = {}  # the same for modules outside the layers (the head)
+    mindformers_mtp = False  # MindFormers checkpoints hold MTP layers (num_nextn_predict_layers; models/mtp.py)
 
     # ------------------------------------------------------------------------------------------ which models
     def matches(self, architecture: str, model_type: Optional[str]) -> bool:

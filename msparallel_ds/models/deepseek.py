@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..checkpoint.weight_map import ConcatSized, Experts, FusedGateUp, Rename, State, WeightOp, at
 from .moe import MoEFamily
 
 __all__ = ["DeepseekV3Family"]
@@ -32,6 +33,7 @@ _MTP_PARTS = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
 class DeepseekV3Family(MoEFamily):
     architectures = ("DeepseekV3ForCausalLM",)
     model_types = ("deepseek_v3",)
+    mindformers_mtp = True
     router_score = "sigmoid"  # the aux loss's probabilities: sigmoid scores normalised over the experts
     mindformers_names = {  # + MindFormers' MLA cell names (legacy deepseek3 / mcore MultiLatentAttention)
         **MoEFamily.mindformers_names,
@@ -45,6 +47,15 @@ class DeepseekV3Family(MoEFamily):
         "self_attn.o_proj": ["attention.wo", "self_attention.linear_proj"],
         "mlp.shared_experts": ["feed_forward.shared_experts", "mlp.shared_experts"],
     }
+
+    def mindformers_weights(self, config: Any, *, legacy: bool, qkv_interleaved: bool = True,
+                            fc1_interleaved: bool = True) -> list[WeightOp]:
+        """MindFormers 2.1 mcore names (TrainingDeepseekV3ForCausalLM: GPTModel with MLA, grouped-gemm MoE and an
+        MTP block; names and shapes read off the instantiated cell, tests/fixtures/mindspore/make_moe_fixtures.py)."""
+        if legacy:
+            raise ValueError("deepseek_v3: the legacy (use_legacy: true, DeepseekV3Config of research/deepseek3) "
+                             "MindFormers names are not mapped; import with a 2.x mcore YAML (use_legacy: false)")
+        return mcore_deepseek_ops(config, fc1_interleaved)
 
     def moe_layers(self, config: Any) -> list[int]:
         """MoE layers from first_k_dense_replace on, MTP layers (models.mtp: after the decoder's) included."""
@@ -64,3 +75,66 @@ class DeepseekV3Family(MoEFamily):
         if sequence_parallel:  # MTP layers' own parts run on the sequence slice, like the norms (models.mtp)
             mla.update({f"{self.prefix}.layers.*.{name}": "sequence_parallel" for name in _MTP_PARTS})
         return {**mla, **{p: s for p, s in plan.items() if p not in mla}}
+
+
+_MF, _HF = "decoder.layers.{L}.", "model.layers.{L}."
+
+
+def _mla_down_sizes(cfg: Any) -> list[int]:
+    q = cfg.q_lora_rank or cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    return [q, cfg.kv_lora_rank + cfg.qk_rope_head_dim]
+
+
+def _layer_ops(config: Any, fc1_interleaved: bool) -> list[WeightOp]:
+    """One decoder layer. MLA (multi_latent_attention.py: MLASelfAttention, and with mla_qkv_concat, default True,
+    its fused form: linear_qkv = [q_down | kv_down] rows, :390-393, split at :533-541; q heads [nope | rope] and
+    kv_up heads [k_nope | v] as HF's). Dense MLP / shared experts: linear_fc1 = gate|up, interleaved row by row while
+    use_interleaved_weight_layout_mlp (moe_module_specs.py:40, gpt_layer_specs.py:46). Routed experts: GroupedMLP
+    weight1/weight2 (moe/ffn.py:79-86, swiglu halves per expert). Router: weight, expert_bias (HF
+    e_score_correction_bias); its expert_load / fi_accu counters are training state."""
+    a, attn = _MF + "self_attention.", _HF + "self_attn."
+    split, fused = False, True
+    q_down = "q_a_proj" if config.q_lora_rank else "q_proj"  # no q_lora_rank: one q projection, no q norm
+    ops = [Rename(_MF + "input_layernorm.weight", _HF + "input_layernorm.weight"),
+           Rename(_MF + "pre_mlp_layernorm.weight", _HF + "post_attention_layernorm.weight"),
+           Rename(a + "linear_proj.weight", attn + "o_proj.weight"),
+           Rename(a + "q_layernorm.weight", attn + "q_a_layernorm.weight"),
+           WeightOp((a + "linear_q_down_proj.weight",), (attn + "q_a_proj.weight",), split),
+           WeightOp((a + "linear_q_up_proj.weight",), (attn + "q_b_proj.weight",), split),
+           WeightOp((a + "linear_q_proj.weight",), (attn + "q_proj.weight",), split),
+           WeightOp((a + "linear_kv_down_proj.weight",), (attn + "kv_a_proj_with_mqa.weight",), split),
+           WeightOp((a + "kv_layernorm.weight",), (attn + "kv_a_layernorm.weight",), split),
+           WeightOp((a + "linear_kv_up_proj.weight",), (attn + "kv_b_proj.weight",), split),
+           ConcatSized((a + "linear_qkv.weight",), (attn + f"{q_down}.weight", attn + "kv_a_proj_with_mqa.weight"),
+                       fused, _mla_down_sizes),
+           WeightOp((a + "linear_qb.weight",), (attn + "q_b_proj.weight",), fused),
+           WeightOp((a + "k_layernorm.weight",), (attn + "kv_a_layernorm.weight",), fused),
+           WeightOp((a + "linear_kvb.weight",), (attn + "kv_b_proj.weight",), fused)]
+    for mlp, hf in (("mlp.", "mlp."), ("mlp.shared_experts.", "mlp.shared_experts.")):
+        ops += [FusedGateUp((_MF + mlp + "linear_fc1.weight",),
+                            (_HF + hf + "gate_proj.weight", _HF + hf + "up_proj.weight"), None, fc1_interleaved),
+                Rename(_MF + mlp + "linear_fc2.weight", _HF + hf + "down_proj.weight")]
+    return ops + [Rename(_MF + "mlp.router.weight", _HF + "mlp.gate.weight"),
+                  Rename(_MF + "mlp.router.expert_bias", _HF + "mlp.gate.e_score_correction_bias"),
+                  State(_MF + "mlp.router.expert_load"), State(_MF + "mlp.router.fi_accu"),
+                  Experts((_MF + "mlp.experts.weight1",), (_HF + "mlp.experts.gate_up_proj",)),
+                  Experts((_MF + "mlp.experts.weight2",), (_HF + "mlp.experts.down_proj",))]
+
+
+def mcore_deepseek_ops(config: Any, fc1_interleaved: bool) -> list[WeightOp]:
+    """The whole model: embedding, decoder layers, final norm, head, and per MTP depth k (multi_token_prediction.py:
+    mtp.layers.k.{enorm, hnorm, eh_proj, transformer_layer, final_layernorm}; the embedding and output layer are the
+    model's) the HF layer N + k that models/mtp.py holds (shared_head.norm = its final_layernorm). MTP ops come first:
+    an HF layer N + k must not also match the decoder layers' patterns."""
+    layer = _layer_ops(config, fc1_interleaved)
+    n = config.num_hidden_layers
+    mtp: list[WeightOp] = []
+    for k in range(getattr(config, "num_nextn_predict_layers", 0) or 0):
+        mf, hf = f"mtp.layers.{k}.", f"model.layers.{n + k}."
+        mtp += [Rename(mf + "enorm.weight", hf + "enorm.weight"), Rename(mf + "hnorm.weight", hf + "hnorm.weight"),
+                Rename(mf + "eh_proj.weight", hf + "eh_proj.weight"),
+                Rename(mf + "final_layernorm.weight", hf + "shared_head.norm.weight")]
+        mtp += [at(op, mf + "transformer_layer.", hf) for op in layer]
+    return mtp + layer + [Rename("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+                          Rename("decoder.final_layernorm.weight", "model.norm.weight"),
+                          Rename("output_layer.weight", "lm_head.weight")]

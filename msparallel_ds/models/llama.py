@@ -282,6 +282,11 @@ def legacy_hf_config(mc: Mapping, moe: Optional[Mapping] = None) -> tuple[str, d
     """(HF model_type, config kwargs) of a MindFormers legacy `model_config` (type LlamaConfig; mindformers 2.1.0
     models/llama/llama_config.py:132-176): Llama, or Qwen2 when only q/k/v carry biases (qkv_has_bias)."""
     arch_type = str(mc.get("type", "LlamaConfig"))
+    if arch_type.startswith("Deepseek"):  # research/deepseek2|3 (MindFormers <= 1.5): other cells, other names
+        raise _legacy_error("type", arch_type, "(legacy DeepSeek, research/deepseek2 or deepseek3) is not mapped: "
+                            "its cell names differ from the 2.x mcore ones msparallel_ds imports",
+                            "import with a MindFormers 2.x mcore YAML of the model (use_legacy: false, model_type: "
+                            "deepseek_v3; e.g. configs/deepseek3/pretrain_deepseek3_671b.yaml of the 2.1 wheel)")
     if arch_type != "LlamaConfig":
         raise _legacy_error("type", arch_type, "is not a legacy model msparallel_ds can import", "legacy imports "
                             "cover LlamaConfig models (Llama 2/3, Qwen 1.5/2/2.5 YAMLs); use a 2.x mcore YAML")
@@ -303,29 +308,48 @@ def legacy_hf_config(mc: Mapping, moe: Optional[Mapping] = None) -> tuple[str, d
     if model_type == "llama":
         kw["attention_bias"] = qkv_bias
     experts = int((moe or {}).get("expert_num", 1) or 1)
-    if experts > 1:  # a legacy Llama with moe_config: MindFormers' Mixtral (research/mixtral)
-        _legacy_moe_checks(moe, qkv_bias)
-        model_type = "mixtral"
+    if experts > 1:  # a legacy Llama with moe_config: MindFormers' Mixtral (research/mixtral) or Qwen2-MoE
+        shared = float(moe.get("shared_expert_num", 0) or 0)
+        _legacy_moe_checks(moe, qkv_bias and not shared)
         kw.pop("attention_bias", None)
-        kw.update(num_local_experts=experts, num_experts_per_tok=int(moe.get("num_experts_chosen", 1)))
+        if not shared:
+            model_type = "mixtral"
+            kw.update(num_local_experts=experts, num_experts_per_tok=int(moe.get("num_experts_chosen", 1)))
+            return model_type, kw
+        # LlamaFeedForwardWithMoE (mindformers 1.3.2 models/llama/llama_layer.py:529-600, llama_transformer.py:
+        # 643-693): every layer MoE, routed experts of intermediate_size, shared experts of
+        # int(intermediate_size * shared_expert_num), gated by sigmoid(shared_experts_gate)
+        inter = int(mc.get("intermediate_size") or 0)
+        if not inter:
+            raise _legacy_error("intermediate_size", mc.get("intermediate_size"), "is needed with moe_config."
+                                "shared_expert_num (the shared experts' size is intermediate_size * shared_expert_num)",
+                                "write the experts' intermediate_size")
+        model_type = "qwen2_moe"
+        kw.update(num_experts=experts, num_experts_per_tok=int(moe.get("num_experts_chosen", 1)),
+                  moe_intermediate_size=inter, shared_expert_intermediate_size=int(inter * shared),
+                  decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=qkv_bias,
+                  norm_topk_prob=bool(moe.get("norm_topk_prob", True)))
     return model_type, kw
 
 
 def _legacy_moe_checks(moe: Mapping, qkv_bias: bool) -> None:
-    """What HF Mixtral (softmax, top-k renormalised, no shared experts, no biases) can hold of a moe_config
-    (mindformers 2.1.0 modules/transformer/moe.py:87-190 MoEConfig)."""
+    """What HF Mixtral (softmax, top-k renormalised, no biases) or, with shared experts, HF Qwen2-MoE (softmax,
+    norm_topk_prob either way, gated shared expert) can hold of a moe_config (mindformers 2.1.0
+    modules/transformer/moe.py:87-190 MoEConfig)."""
     def bad(key, value, rule, fix):
         return ValueError(f"moe_config.{key}={value!r} {rule}; {fix}")
 
-    if int(moe.get("shared_expert_num", 0) or 0):
-        raise bad("shared_expert_num", moe["shared_expert_num"], "(Qwen2-MoE style shared experts) is not mapped for "
-                  "legacy checkpoints", "only Mixtral-style legacy MoE imports; use a 2.x mcore YAML")
-    if int(moe.get("num_experts_chosen", 1)) > 1 and moe.get("norm_topk_prob", True) is False:
+    if float(moe.get("shared_expert_num", 0) or 0) and not moe.get("use_shared_expert_gating", False):
+        raise bad("use_shared_expert_gating", moe.get("use_shared_expert_gating", False), "with shared_expert_num has "
+                  "no HF Qwen2-MoE counterpart (its shared expert is always gated)",
+                  "only gated shared experts (use_shared_expert_gating: true, Qwen2-MoE) import")
+    if int(moe.get("num_experts_chosen", 1)) > 1 and moe.get("norm_topk_prob", True) is False \
+            and not float(moe.get("shared_expert_num", 0) or 0):
         raise bad("norm_topk_prob", False, "has no HF Mixtral counterpart (it renormalises the top-k weights)",
                   "import with norm_topk_prob: true only if the run used it")
     if float(moe.get("routed_scaling_factor", 1.0) or 1.0) != 1.0:
-        raise bad("routed_scaling_factor", moe["routed_scaling_factor"], "has no HF Mixtral counterpart",
-                  "only 1.0 imports as Mixtral")
+        raise bad("routed_scaling_factor", moe["routed_scaling_factor"], "has no HF Mixtral / Qwen2-MoE counterpart",
+                  "only 1.0 imports")
     if qkv_bias:
         raise bad("expert_num", moe.get("expert_num"), "with model_config.qkv_has_bias has no HF Mixtral counterpart",
                   "Mixtral has no attention biases")

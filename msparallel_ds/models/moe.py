@@ -143,12 +143,23 @@ class MoEFamily(LlamaFamily):
 def _legacy_mixtral_ops(config: Any, qkv_interleaved: bool) -> list[WeightOp]:
     """Legacy (moe_config) Mixtral: MindFormers research/mixtral/convert_weight.py name_replace + its expert stacking
     (feed_forward.router.dense <- block_sparse_moe.gate; ffn.w1 / w2 / w3 = torch.stack of the experts' w1 (gate),
-    w2 (down), w3 (up), [E, I, H] / [E, H, I]); attention and norms as legacy Llama."""
-    if config.model_type != "mixtral":
-        raise ValueError(f"{config.model_type}: only Mixtral's MindFormers legacy MoE names are mapped (Qwen2-MoE "
-                         "shared experts and DeepSeek are not)")
+    w2 (down), w3 (up), [E, I, H] / [E, H, I]); attention and norms as legacy Llama. With shared experts
+    (shared_expert_num, Qwen2-MoE) the layer's feed_forward is LlamaFeedForwardWithMoE (mindformers 1.3.2
+    models/llama/llama_layer.py:529-600): the routed MoE under `routed_experts`, a LlamaFeedForward
+    `shared_experts` (w1 / w3 / w2) and the `shared_experts_gate` Dense [1, H]."""
+    if config.model_type not in ("mixtral", "qwen2_moe"):
+        raise ValueError(f"{config.model_type}: only Mixtral's and Qwen2-MoE's MindFormers legacy MoE names are "
+                         "mapped (DeepSeek's are not)")
     mf, hf = "model.layers.{L}.feed_forward.", "model.layers.{L}.mlp."
-    return [op for op in legacy_ops(qkv_interleaved) if not any(".mlp." in n for n in op.hf)] + [
-        Rename(mf + "router.dense.weight", hf + "gate.weight"),
-        Joined((mf + "ffn.w1.weight", mf + "ffn.w3.weight"), (hf + "experts.gate_up_proj",), None, 1),
-        Rename(mf + "ffn.w2.weight", hf + "experts.down_proj")]
+    routed = mf + ("routed_experts." if config.model_type == "qwen2_moe" else "")
+    ops = [op for op in legacy_ops(qkv_interleaved) if not any(".mlp." in n for n in op.hf)] + [
+        Rename(routed + "router.dense.weight", hf + "gate.weight"),
+        Joined((routed + "ffn.w1.weight", routed + "ffn.w3.weight"), (hf + "experts.gate_up_proj",), None, 1),
+        Rename(routed + "ffn.w2.weight", hf + "experts.down_proj")]
+    if config.model_type == "qwen2_moe":
+        shared = hf + "shared_expert."
+        ops += [Rename(mf + "shared_experts.w1.weight", shared + "gate_proj.weight"),
+                Rename(mf + "shared_experts.w3.weight", shared + "up_proj.weight"),
+                Rename(mf + "shared_experts.w2.weight", shared + "down_proj.weight"),
+                Rename(mf + "shared_experts_gate.weight", hf + "shared_expert_gate.weight")]
+    return ops

@@ -45,6 +45,7 @@ def build_model(raw: Mapping, run_yaml: str, seed: int) -> torch.nn.Module:
     hf_dir = src if _is_hf_folder(src) else (str(pretrained) if _is_hf_folder(pretrained) else None)
     if hf_dir:
         model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
+        _load_mtp_layers(model, hf_dir, raw)
     else:
         from ..checkpoint.mindformers_model import model_from_yaml
         try:
@@ -54,8 +55,45 @@ def build_model(raw: Mapping, run_yaml: str, seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if src and not _is_hf_folder(src):
-        model.load_state_dict(_weights(src, raw, run_yaml), strict=True)
+        weights = _weights(src, raw, run_yaml)
+        n, depth = model.config.num_hidden_layers, _mtp_depth(raw)
+        if depth:  # the checkpoint's MTP layers (models/mtp.py: layers N.. under HF names) are the run's
+            from ..models.mtp import add_mtp_layers
+            add_mtp_layers(model, depth)
+        else:  # a MindFormers checkpoint holds them whether or not this run trains them
+            weights = {k: v for k, v in weights.items() if not _past(k, n)}
+        model.load_state_dict(weights, strict=True)
     return model.float()
+
+
+def _past(name: str, n: int) -> bool:
+    parts = name.split(".")
+    return name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= n
+
+
+def _mtp_depth(raw: Mapping) -> int:
+    from ..config.mindformers import MODEL_ALIASES
+    mc = (raw.get("model") or {}).get("model_config") or {}
+    return next((int(mc[k]) for k in MODEL_ALIASES["mtp_depth"] if mc.get(k)), 0)
+
+
+def _load_mtp_layers(model, hf_dir: str, raw: Mapping) -> None:
+    """HF's loader skips layers past num_hidden_layers: a folder the importer wrote with MTP layers keeps them for a
+    run that trains MTP (else the engine would start them from a seed)."""
+    depth = _mtp_depth(raw)
+    if not depth or not getattr(model.config, "num_nextn_predict_layers", 0):
+        return
+    from ..checkpoint.mindformers import read_mtp_layers
+    from ..models import adapter_for
+    from ..models.mtp import add_mtp_layers
+    adapter = adapter_for(model)
+    if not getattr(adapter, "mindformers_mtp", False):
+        return
+    add_mtp_layers(model, depth)
+    missing = read_mtp_layers(hf_dir, model, adapter)
+    if missing and len(missing) < sum(1 for n in model.state_dict() if _past(n, model.config.num_hidden_layers)):
+        raise _err("load_checkpoint", hf_dir, f"holds part of the MTP layers (lacks {', '.join(missing[:4])})",
+                   "point it at a complete HF folder (msparallel-ds import-mindspore writes them whole)")
 
 
 def _weights(src: str, raw: Mapping, run_yaml: str) -> dict:
