@@ -38,7 +38,7 @@ from .context_parallel.api import inputs_agreed
 from .context_parallel.batch import inputs_and_targets
 from .distributed.collectives import start_sum_over, sum_over
 from .distributed.layout import ParallelLayout
-from .loss import check_batch_and_count, check_finite_step, grads_norm_flag, token_loss_sum
+from .loss import check_batch_and_count, check_finite_step, grads_norm_flag, nonfinite_grads, token_loss_sum
 from .strategy import Applied
 
 __all__ = ["Engine", "initialize"]
@@ -67,6 +67,11 @@ class Engine:
         self._own_norm: Optional[float] = None
         self._own_clip = (plan.gradient_clipping if layout.size("ep") > 1 and ds_engine.zero_optimization_stage() == 0
                           and not ds_engine.gradient_clipping() else None)
+        # ZeRO-0 (no DeepSpeed norm) in fp32/bf16 with dp x cp = the world (tp 1): the finite-gradient flag rides in
+        # the loss sum's all-reduce, made after the last backward then; with tp > 1 it needs its own (world) one
+        self._flag_with_loss = (self._own_clip is None and ds_engine.zero_optimization_stage() == 0
+                                and not ds_engine.fp16_enabled() and layout.size("dp_cp") == layout.world_size)
+        self._grads_bad = False
 
     @property
     def model(self) -> nn.Module:
@@ -178,7 +183,17 @@ class Engine:
         total += loss_sum.detach().float()
         if micro != self.gradient_accumulation_steps - 1:
             return None
+        if self._flag_with_loss:
+            return lambda: self._sum_with_grad_flag(total)
         return start_sum_over(self.layout, "dp_cp", total)
+
+    def _sum_with_grad_flag(self, total: Tensor) -> Tensor:
+        """After the backward (DeepSpeed's ZeRO-0 has reduced the grads): [loss total, this rank's non-finite-grad
+        flag] summed over dp x cp in one all-reduce; the total is summed exactly as alone, in place."""
+        both = sum_over(self.layout, "dp_cp", torch.stack([total, nonfinite_grads(self._grads(), self.device)]))
+        total.copy_(both[0])
+        self._grads_bad = bool(both[1])
+        return total
 
     def _log_aux_loss(self) -> None:
         """The step's aux + z loss: every shard's share (recorded by the backward of each micro-batch) summed over
@@ -209,7 +224,9 @@ class Engine:
             if guard:
                 check_finite_step(self.global_steps, grad_norm=self._own_norm)
         elif guard and self.ds.zero_optimization_stage() == 0:  # DeepSpeed's ZeRO-0 step keeps no norm
-            check_finite_step(self.global_steps, grad_norm=grads_norm_flag(self._grads(), self.device))
+            flag = (float("nan") if self._grads_bad else 0.0) if self._flag_with_loss else \
+                grads_norm_flag(self._grads(), self.device)
+            check_finite_step(self.global_steps, grad_norm=flag)
 
     def _grads(self) -> list:
         """The parameters holding a gradient (listed only where a step needs them: the walk costs per step)."""

@@ -22,7 +22,7 @@ from .distributed.collectives import gather_ints, start_sum_over
 from .distributed.layout import ParallelLayout
 
 __all__ = ["check_batch", "check_batch_and_count", "check_finite_step", "global_token_count", "global_token_counts",
-           "start_global_token_counts", "grads_norm_flag", "token_loss_sum"]
+           "start_global_token_counts", "grads_norm_flag", "nonfinite_grads", "token_loss_sum"]
 
 
 def check_batch(batch: Mapping[str, Any], engine, accumulation_key: str) -> tuple[Tensor, Tensor]:
@@ -270,11 +270,16 @@ def check_finite_step(steps_done: int, *, loss=None, grad_norm=None, updated: bo
             "check this step's data, and resume from the last good checkpoint with engine.load")
 
 
+def nonfinite_grads(params, device) -> Tensor:
+    """1.0 when this rank's gradients hold NaN/inf, else 0.0 (fp32, on `device`; to be summed over the ranks)."""
+    local = [torch.linalg.vector_norm(p.grad.float()) for p in params if p.grad is not None]
+    return torch.tensor(float(bool(local) and not bool(torch.isfinite(torch.stack(local)).all())), device=device)
+
+
 def grads_norm_flag(params, device) -> float:
     """For a step that computes no gradient norm: nan when any rank's gradients hold NaN/inf, else 0.0 (one
     all-reduce over the world, so every rank takes the same verdict; tp shards differ between ranks)."""
-    local = [torch.linalg.vector_norm(p.grad.float()) for p in params if p.grad is not None]
-    bad = torch.tensor(float(bool(local) and not bool(torch.isfinite(torch.stack(local)).all())), device=device)
+    bad = nonfinite_grads(params, device)
     if dist.is_initialized():
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return float("nan") if bad.item() else 0.0

@@ -5,9 +5,11 @@ Every torch.distributed call of one train_batch (after a warm-up step) is attrib
 (outside msparallel_ds/distributed/, the helpers) or of DeepSpeed. The step-level ones, made by the engine, the loss
 module and the cp attention's peer check, must be exactly two per step on every layout: one carrying the global
 token count (with the tp / cp / pp batch agreement folded in when those peers exist) and one summing the step's
-loss. Before the fold, dp2 x tp2 made 3 (a tp all-gather, the dp count, the loss) and dp2 x cp2 made 7 (plus a cp
-all-gather per attention call, 4 layers); this test failed there. The guards still catch what they caught
-(tests/test_hardening_inputs.py); here also a dp rank whose peers agree stops with the one whose peers do not.
+loss (with ZeRO-0's finite-gradient flag folded in at tp 1). Before the fold, dp4 ZeRO-0 made 3 (plus the flag's
+all-reduce), dp2 x tp2 made 3 (a tp all-gather, the dp count, the loss) and dp2 x cp2 made 7 (plus a cp all-gather
+per attention call, 4 layers); this test failed there. The guards still catch what they caught
+(tests/test_hardening_inputs.py); here also a dp rank whose peers agree stops with the one whose peers do not, and
+NaN gradients on one rank under ZeRO-0 stop every rank before the update.
 """
 import functools
 import os
@@ -73,7 +75,8 @@ def _run(rank, world_size):
     import msparallel_ds as msp
 
     out = {}
-    for name, yaml in (("dp4", dict(dp=4, zero=2, clip=0.0)), ("dp2_tp2", dict(dp=2, tp=2, zero=2, clip=0.0)),
+    for name, yaml in (("dp4", dict(dp=4, zero=2, clip=0.0)), ("dp4_zero0", dict(dp=4, zero=0, clip=0.0)),
+                       ("dp2_tp2", dict(dp=2, tp=2, zero=2, clip=0.0)),
                        ("dp2_cp2", dict(dp=2, cp=2, algo="ulysses_cp", clip=0.0))):
         engine = msp.initialize(tiny_model(), msp.load_config(tiny_config(**yaml)),
                                 optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
@@ -94,6 +97,18 @@ def _run(rank, world_size):
             except ValueError as e:
                 out["one_block"] = str(e)
             out["after"] = float(engine.train_batch(batch))
+        if name == "dp4_zero0":  # a finite loss, NaN gradients on one rank: every rank stops before the update
+            weight = engine.model.get_input_embeddings().weight
+            hook = weight.register_hook(lambda g: g * float("nan")) if rank == 1 else None
+            before = weight.detach().clone()
+            try:
+                engine.train_batch(batch)
+                out["nan_grads"] = None
+            except FloatingPointError as e:
+                out["nan_grads"] = str(e)
+            out["nan_grads_unchanged"] = bool(torch.equal(before, weight.detach()))
+            if hook is not None:
+                hook.remove()
     return out
 
 
@@ -101,7 +116,7 @@ def _run(rank, world_size):
 def test_step_level_collectives_per_step():
     results = run_distributed(_run, 4, timeout=240)
     for rank, r in enumerate(results):
-        for name in ("dp4", "dp2_tp2", "dp2_cp2"):
+        for name in ("dp4", "dp4_zero0", "dp2_tp2", "dp2_cp2"):
             # one collective with the token count (+ the batch agreement), one with the loss sum
             assert sum(r[name].values()) == 2, (rank, name, r[name], r[name + "_all"])
             assert "msparallel_ds/context_parallel/api.py" not in r[name], (rank, name, r[name])
@@ -112,3 +127,6 @@ def test_step_level_collectives_per_step():
         else:
             assert "the peers of dp rank(s) 1 disagree" in msg, (rank, msg)
         assert r["after"] > 0, rank
+        msg = r["nan_grads"]
+        assert msg and "global gradient norm is nan" in msg and "the optimizer step was not taken" in msg, (rank, msg)
+        assert r["nan_grads_unchanged"], rank
