@@ -34,10 +34,11 @@ import torch
 from torch import Tensor, nn
 
 from . import runtime
+from .context_parallel.api import inputs_agreed
 from .context_parallel.batch import inputs_and_targets
 from .distributed.collectives import start_sum_over, sum_over
 from .distributed.layout import ParallelLayout
-from .loss import check_batch, check_finite_step, start_global_token_counts, token_loss_sum
+from .loss import check_batch_and_count, check_finite_step, token_loss_sum
 from .strategy import Applied
 
 __all__ = ["Engine", "initialize"]
@@ -81,9 +82,6 @@ class Engine:
         return self.applied.spec
 
     # ------------------------------------------------------------------------------------------ batches
-    def _check_batch(self, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
-        return check_batch(batch, self, "runner_config.gradient_accumulation_steps")
-
     def _micro(self, batch: Mapping[str, Any], rows: slice) -> dict:
         micro = {k: (v[rows] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == len(batch["input_ids"])
                      else v) for k, v in batch.items()}
@@ -96,23 +94,37 @@ class Engine:
         """One optimizer step on this dp rank's share of the global batch; returns the global-batch mean loss
         (detached, float32) on every rank."""
 
-        ids, labels = self._check_batch(batch)
+        mtp = self.applied.mtp  # each MTP depth's token count joins the LM's in one collective
+        shifted = isinstance(batch, Mapping) and batch.get("shift_labels") is not None  # (S per row) win over labels
+
+        def counted(labels: Tensor) -> list[Tensor]:
+            if shifted:
+                if mtp is not None:
+                    raise ValueError("train_batch: batch['shift_labels'] with MTP (mtp_depth > 0) is not supported; "
+                                     "pass HF-style batch['labels'] instead")
+                labels = batch["shift_labels"]
+            return [labels, *(mtp.shifted_labels(labels) if mtp is not None else [])]
+
+        # The step's global token count: inside the batch agreement's one all-gather when peers are checked (tp, cp
+        # or pp > 1), else an all-reduce over dp started now (hidden behind the first forward). Either way it is the
+        # step's first collective, and with the agreement checked the cp attention's per-call check is not needed.
+        _, all_labels, counts_ready = check_batch_and_count(
+            batch, self, "runner_config.gradient_accumulation_steps", counted, shifted=shifted,
+            n_counts=1 + (mtp.depth if mtp is not None else 0))
+        agreed = self.layout.size("cp") > 1 and getattr(self, "check_batch_agreement", True)
+        with inputs_agreed(self.layout, agreed):
+            return self._step(batch, all_labels, counts_ready, shifted)
+
+    def _step(self, batch: Mapping[str, Any], all_labels: list[Tensor], counts_ready: Callable[[], Tensor],
+              shifted: bool) -> Tensor:
         dp, gas = self.layout.size("dp"), self.gradient_accumulation_steps
-        mtp = self.applied.mtp  # each MTP depth's token count joins the LM's in one all-reduce
-        shifted = batch.get("shift_labels") is not None  # already shifted targets (S per row) win over labels
-        if shifted:
-            if mtp is not None:
-                raise ValueError("train_batch: batch['shift_labels'] with MTP (mtp_depth > 0) is not supported; "
-                                 "pass HF-style batch['labels'] instead")
-            labels = batch["shift_labels"]
-        all_labels = [labels, *(mtp.shifted_labels(labels) if mtp is not None else [])]
+        labels, mtp = all_labels[0], self.applied.mtp
         interleave = self.applied.interleave
         summed_copies = interleave is not None and interleave.copy_loss == "sum"  # MindSpore's (interleave.multi_copy)
         # Step-level values plain DeepSpeed does not reduce: the global token count (before the first backward) and
-        # the step's loss sum (before the optimizer step). Both all-reduces run async, the count's behind the first
-        # forward, the loss's behind the last backward; one blocking all-reduce of both after a single micro-batch's
-        # forward measured slower (benchmarks/README.md, overhead): it adds a rendezvous mid-step.
-        counts_ready = start_global_token_counts(all_labels, self.layout, self.device, shifted=shifted)
+        # the step's loss sum (before the optimizer step). Both run async, the count's behind the first forward (or
+        # inside the batch agreement), the loss's behind the last backward; one blocking all-reduce of both after a
+        # single micro-batch's forward measured slower (benchmarks/README.md, overhead): a rendezvous mid-step.
         counts = None
         mtp_total = torch.zeros(len(all_labels) - 1, dtype=torch.float32, device=self.device)
         if not self.model.training:  # the recursive walk costs ~0.3 ms a step on a tiny model; once is enough

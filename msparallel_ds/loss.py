@@ -10,16 +10,18 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import math
+import zlib
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .labels import IGNORE_INDEX, shift_labels
-from .distributed.collectives import start_sum_over
+from .distributed.collectives import gather_ints, start_sum_over
 from .distributed.layout import ParallelLayout
 
-__all__ = ["check_batch", "check_finite_step", "global_token_count", "global_token_counts",
+__all__ = ["check_batch", "check_batch_and_count", "check_finite_step", "global_token_count", "global_token_counts",
            "start_global_token_counts", "token_loss_sum"]
 
 
@@ -31,20 +33,64 @@ def check_batch(batch: Mapping[str, Any], engine, accumulation_key: str) -> tupl
     Peer agreement (on by default): the tp, cp and pp peers of a dp rank must be fed the same rows, else they would
     train silently on a mixture (or abort inside a collective on different shapes). Before the step's first
     collective, every rank all-gathers a few int64 (ok flag, shapes, dtypes, two content hashes of input_ids and
-    labels) over each of those groups, and all of them raise one clear error when any peer differs or rejected its
-    batch. Set `engine.check_batch_agreement = False` to skip these tiny collectives (the local checks still run).
+    labels, the other entries' names, shapes and dtypes) over the world, and every rank raises one clear error when
+    any dp rank's peers differ or one rejected its batch. Set `engine.check_batch_agreement = False` to skip this
+    tiny collective (the local checks still run). check_batch_and_count carries the step's token count in it.
     """
+    ids, counted, _ = check_batch_and_count(batch, engine, accumulation_key, lambda labels: [labels], n_counts=0)
+    return ids, counted[0]
+
+
+def check_batch_and_count(batch: Mapping[str, Any], engine, accumulation_key: str,
+                          counted: Callable[[Tensor], Sequence[Tensor]], *, shifted: bool = False,
+                          n_counts: int = 1) -> tuple[Tensor, list[Tensor], Callable[[], Optional[Tensor]]]:
+    """check_batch, plus the step's global token counts (global_token_counts) of counted(labels): n_counts label
+    tensors such as the LM's and each MTP depth's (`counted` may raise a ValueError for a batch it refuses, which
+    counts as this rank rejecting its batch). Returns (input_ids, counted(labels), counts_ready); counts_ready()
+    gives the counts (None for n_counts=0). With peer agreement on and tp, cp or pp > 1, the counts ride in the
+    agreement's one all-gather (exact int64 sums over dp); otherwise their all-reduce over dp starts here and hides
+    behind the step's first forward.
+    The agreement also stands for the cp attention's per-call check (context_parallel.api.inputs_agreed): peers
+    fed the same batch call the same model's attention with the same shapes, so the step needs no more checks."""
     error: Optional[Exception] = None
+    device = getattr(engine, "device", None)
     try:
         ids, labels = _local_check(batch, engine, accumulation_key)
+        tensors = list(counted(labels))
     except (TypeError, ValueError) as e:
-        ids = labels = None
+        ids = labels = tensors = None
         error = e
-    if getattr(engine, "check_batch_agreement", True):
-        _check_agreement(engine, ids, labels, error)
+    agree = getattr(engine, "check_batch_agreement", True)
+    dims = [d for d in ("tp", "cp", "pp") if engine.layout.size(d) > 1] if agree else []
+    if not dims:
+        if error is not None:
+            raise error
+        if not n_counts:
+            return ids, tensors, lambda: None
+        wait = start_sum_over(engine.layout, "dp", _local_counts(tensors, device, shifted))
+        return ids, tensors, lambda: wait().clamp_min(1.0)
+    if error is None:
+        local = [int(((t if shifted else shift_labels(t)) != IGNORE_INDEX).sum()) for t in tensors[:n_counts]]
+        meta = [*_fingerprint(batch, ids, labels), *local]
+    else:
+        meta = [0] * (_N_META + n_counts)
+    rows = gather_ints([int(error is None), *meta], dist.group.WORLD, device)  # the step's first collective
+    layout = engine.layout
+    problems = _agreement_problems(layout, dims, rows, error)
     if error is not None:
         raise error
-    return ids, labels
+    if problems:
+        raise ValueError(f"train_batch: the peers of this dp rank were fed different batches: {'; '.join(problems)}. "
+                         f"tp, cp and pp peers of a dp rank must get the same rows (same shape, dtype and token ids): "
+                         f"shard the data over data_parallel ranks only, e.g. DistributedSampler(dataset, "
+                         f"num_replicas=layout.size('dp'), rank=layout.rank('dp')) or msparallel_ds.tiny.dp_rows, "
+                         f"not over the world. (engine.check_batch_agreement = False skips this check.)")
+    if not n_counts:
+        return ids, tensors, lambda: None
+    at = 1 + _N_META
+    total = [sum(rows[g][at + i] for g in layout.ranks("dp")) for i in range(n_counts)]  # exact, in int64
+    counts = torch.tensor(total, dtype=torch.float32, device=device).clamp_min(1.0)
+    return ids, tensors, lambda: counts
 
 
 def _integer_tensor(x: Any, name: str) -> Tensor:
@@ -89,7 +135,8 @@ def _local_check(batch: Mapping[str, Any], engine, accumulation_key: str) -> tup
 
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-_N_META = 10  # input_ids rows, seq, dtype; labels rows, seq, dtype; two hashes of each
+_N_META = 11  # input_ids rows, seq, dtype; labels rows, seq, dtype; two hashes of each; the other entries' hash
+_OWN_KEYS = ("input_ids", "labels")
 
 
 def _content_hash(t: Tensor) -> list[int]:
@@ -99,53 +146,60 @@ def _content_hash(t: Tensor) -> list[int]:
     return torch.stack([x.sum(), (x * w).sum()]).tolist()
 
 
-def _check_agreement(engine, ids: Optional[Tensor], labels: Optional[Tensor], error: Optional[Exception]) -> None:
-    """All-gather [ok, shapes, dtypes, hashes, peer-failed flag] over tp, then cp, then pp (those of size > 1). The
-    flag carries an earlier group's failure into the next gathers, so every rank of the dp rank's tp x cp x pp
-    block raises, never just some of them (which would leave the others in the step's next collective)."""
-    layout = engine.layout
-    dims = [d for d in ("tp", "cp", "pp") if layout.size(d) > 1]
-    if not dims:
-        return
-    from .distributed.collectives import dtype_code, gather_ints
+def _fingerprint(batch: Mapping[str, Any], ids: Tensor, labels: Tensor) -> list[int]:
+    from .distributed.collectives import dtype_code
 
-    if error is None:
-        same = labels is ids
-        ids_hash = _content_hash(ids)
-        meta = [*ids.shape, dtype_code(ids.dtype), *labels.shape, dtype_code(labels.dtype), *ids_hash,
-                *(ids_hash if same else _content_hash(labels))]
-    else:
-        meta = [0] * _N_META
+    ids_hash = _content_hash(ids)
+    others = sorted((str(k), (tuple(v.shape), str(v.dtype)) if isinstance(v, Tensor) else type(v).__name__)
+                    for k, v in batch.items() if k not in _OWN_KEYS)  # e.g. shift_labels, position_ids, doc_ids
+    return [*ids.shape, dtype_code(ids.dtype), *labels.shape, dtype_code(labels.dtype), *ids_hash,
+            *(ids_hash if labels is ids else _content_hash(labels)), zlib.crc32(repr(others).encode()) & 0x7fffffff]
+
+
+def _agreement_problems(layout, dims: list[str], rows: list[list[int]], error: Optional[Exception]) -> list[str]:
+    """What this rank reports from every rank's [ok, fingerprint, counts] row: its own tp, cp and pp groups'
+    rejections and differences first; else that another group of its block, or another dp rank's block, failed
+    (every rank raises, so none is left waiting in the step's next collective)."""
+    if error is not None:
+        return []
+    fp = slice(1, 1 + _N_META)
     problems: list[str] = []
-    device = getattr(engine, "device", None)
     for dim in dims:
-        rows = gather_ints([int(error is None), *meta, int(bool(problems))], layout.group(dim), device)
         ranks = layout.ranks(dim)
-        rejected = [f"{dim} rank {i} (global rank {ranks[i]})" for i, r in enumerate(rows) if not r[0]]
-        if rejected and error is None:
+        mine = [rows[g] for g in ranks]
+        rejected = [f"{dim} rank {i} (global rank {ranks[i]})" for i, r in enumerate(mine) if not r[0]]
+        if rejected:
             problems.append(f"{', '.join(rejected)} rejected its batch (see the error on that rank)")
-        if any(r[-1] for r in rows) and not problems:
-            problems.append("peers in another group of this dp rank's tp x cp x pp block disagree (see their "
-                            "errors)")
-        ok = [r for r in rows if r[0]]
-        if error is None and not problems and any(r[1:-1] != ok[0][1:-1] for r in ok):
-            problems.append(_disagreement(dim, rows, ranks))
-    if problems and error is None:
-        raise ValueError(f"train_batch: the peers of this dp rank were fed different batches: {'; '.join(problems)}. "
-                         f"tp, cp and pp peers of a dp rank must get the same rows (same shape, dtype and token ids): "
-                         f"shard the data over data_parallel ranks only, e.g. DistributedSampler(dataset, "
-                         f"num_replicas=layout.size('dp'), rank=layout.rank('dp')) or msparallel_ds.tiny.dp_rows, "
-                         f"not over the world. (engine.check_batch_agreement = False skips this check.)")
+        elif any(r[fp] != mine[0][fp] for r in mine):
+            problems.append(_disagreement(dim, [r[fp] for r in mine], ranks))
+    if problems:
+        return problems
+    block = layout.size("cp") * layout.size("tp")  # rank = ((pp*dp + d)*cp + c)*tp + t: d = rank // block % dp
+    bad_dp = sorted({g // block % layout.size("dp") for g, r in enumerate(rows) if not r[0]} |
+                    {g // block % layout.size("dp") for g, r in enumerate(rows)
+                     if r[fp] != rows[_block_head(g, layout)][fp]})
+    if layout.rank("dp") in bad_dp:
+        return ["peers in another group of this dp rank's tp x cp x pp block disagree (see their errors)"]
+    if bad_dp:
+        return [f"the peers of dp rank(s) {', '.join(map(str, bad_dp))} disagree or rejected their batch (see their "
+                f"errors); this rank stops too, so none is left waiting in the step's collectives"]
+    return []
+
+
+def _block_head(g: int, layout) -> int:
+    """The first global rank of g's dp rank's block (pp 0, cp 0, tp 0 of the same dp coordinate)."""
+    block, dp = layout.size("cp") * layout.size("tp"), layout.size("dp")
+    return (g // block % dp) * block
 
 
 def _disagreement(dim: str, rows: list[list[int]], ranks: tuple[int, ...]) -> str:
-    """Which peers differ from peer 0 of `dim`, and in what: shape, dtype or contents."""
+    """Which peers differ from peer 0 of `dim`, and in what: shape, dtype, contents or the other entries."""
     from .distributed.collectives import dtype_code
 
     names = {dtype_code(d): str(d) for d in _INT_DTYPES}
-    base, parts = rows[0][1:-1], []
-    for i, row in enumerate(rows[1:], start=1):
-        m, what = row[1:-1], []
+    base, parts = rows[0], []
+    for i, m in enumerate(rows[1:], start=1):
+        what = []
         for name, at, hashed in (("input_ids", 0, 6), ("labels", 3, 8)):
             if m[at:at + 2] != base[at:at + 2]:
                 what.append(f"{name} shape {tuple(m[at:at + 2])} vs {tuple(base[at:at + 2])}")
@@ -153,6 +207,8 @@ def _disagreement(dim: str, rows: list[list[int]], ranks: tuple[int, ...]) -> st
                 what.append(f"{name} dtype {names.get(m[at + 2], '?')} vs {names.get(base[at + 2], '?')}")
             elif m[hashed:hashed + 2] != base[hashed:hashed + 2]:
                 what.append(f"{name} contents (same shape, other token ids)")
+        if m[10] != base[10]:
+            what.append("the other batch entries (names, shapes or dtypes)")
         if what:
             parts.append(f"{dim} rank {i} (global rank {ranks[i]}) differs from {dim} rank 0 (global rank "
                          f"{ranks[0]}) in {', '.join(what)}")

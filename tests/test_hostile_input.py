@@ -274,15 +274,49 @@ def test_self_referencing_dict():
     assert isinstance(check_load_and_plan(doc), msp.ConfigError)
 
 
+class _OverBudget(BaseException):
+    """Raised by the step counter's hook once its budget is spent (a BaseException: no `except Exception` in the
+    code under test swallows it)."""
+
+
+def _counted_steps(fn, budget: int):
+    """(fn()'s result or None, Python steps it took: function calls plus lines executed, loop iterations included,
+    counted by a trace hook). Past `budget` steps the hook stops fn, so an explosive regression fails at once
+    instead of running for minutes."""
+    steps = [0]
+
+    def hook(frame, event, arg):
+        steps[0] += 1
+        if steps[0] > budget:
+            raise _OverBudget
+        return hook
+
+    sys.settrace(hook)
+    try:
+        return fn(), steps[0]
+    except _OverBudget:
+        return None, steps[0]
+    finally:
+        sys.settrace(None)
+
+
+BUDGET = 200_000
+
+
 def test_deeply_nested_python_dict_and_text():
+    """5000 levels of nesting are refused with a ConfigError in a bounded amount of work: a count of the Python steps
+    taken (calls and lines; 900-1800 each, as the nesting limit stops the walk early), not a wall-clock bound,
+    which a loaded machine made flaky. A walk quadratic in the depth (5000**2 / 2 = 12.5M steps; a check_depth that
+    measured each subtree's depth first was stopped at the budget in 0.04 s) fails at once; the budget leaves about
+    100x room for ordinary growth of the loader."""
     deep: object = 1
     for _ in range(5000):
         deep = [deep]
     for source in ({"parallel_config": {"data_parallel": deep}}, {"x": deep},
                    "[" * 5000 + "\n" + "]" * 5000 + "\n"):
-        start = time.perf_counter()
-        assert isinstance(check_load_and_plan(source), msp.ConfigError)
-        assert time.perf_counter() - start < 5
+        result, steps = _counted_steps(lambda: check_load_and_plan(source), budget=BUDGET)
+        assert steps <= BUDGET, f"{steps} Python steps or more for 5000 levels of nesting: the walk is not bounded"
+        assert isinstance(result, msp.ConfigError), type(result)
 
 
 # Inputs that a naive implementation expands (alias bombs: 9**9 = 387M leaves) or iterates over (schema-valid but

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from .sharding import check_dim
 if TYPE_CHECKING:
     from ..distributed.layout import ParallelLayout
 
-__all__ = ["context_parallel_attention", "shard_sequence", "unshard_sequence", "resolve_algo", "ALGOS"]
+__all__ = ["context_parallel_attention", "shard_sequence", "unshard_sequence", "resolve_algo", "inputs_agreed", "ALGOS"]
 
 ALGOS = ("allgather", "ring", "ulysses", "hybrid")
 # MindFormers spellings, so a value copied from the YAML works too (colossalai_cp alone means all-gather K/V)
@@ -150,6 +151,24 @@ def _check_inputs(q: Any, k: Any, v: Any, layout: ParallelLayout, causal: bool, 
     return name, scale
 
 
+_AGREED = "_msp_cp_inputs_agreed"  # layout attribute: set while the engine's step stands for the per-call check
+
+
+@contextmanager
+def inputs_agreed(layout: ParallelLayout, agreed: bool = True) -> Iterator[None]:
+    """Within the block, context_parallel_attention on `layout` skips its per-call peer check (one all-gather per
+    call) when `agreed`: the engines enter it for a step whose batch the cp peers were verified to share
+    (loss.check_batch_and_count), so every attention call of that step gets the same shapes, dtypes and options on
+    every cp rank (the same model, the same rows); the inputs' local check still runs. Direct calls outside an
+    engine step keep the per-call check."""
+    before = getattr(layout, _AGREED, False)
+    setattr(layout, _AGREED, before or agreed)
+    try:
+        yield
+    finally:
+        setattr(layout, _AGREED, before)
+
+
 _PEER_FIELDS = ("batch", "s_local", "num_heads", "num_kv_heads", "head_dim", "v_head_dim", "dtype", "causal",
                 "softmax_scale", "algo", "doc_ids given")
 
@@ -226,7 +245,8 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: Parallel
     heads, kv heads, head_dims, dtype, causal, scale, algo, doc_ids or not), so inputs that differ between cp ranks
     (or a rank that rejected its inputs) are one clear error on every cp rank instead of a hang or a backend abort.
     Ulysses and hybrid start it async and wait for it once their first send buffer is built.
-    `layout.check_cp_agreement = False` skips that tiny collective (one per call)."""
+    `layout.check_cp_agreement = False` skips that tiny collective (one per call); inside an engine's step
+    (inputs_agreed) the step's batch agreement stands for it."""
     _check_layout(layout)
     cp = layout.size("cp")
     if cp == 1:
@@ -238,7 +258,7 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: Parallel
     except (TypeError, ValueError) as e:
         error = e
     verdict = None
-    if getattr(layout, "check_cp_agreement", True) and dist.is_initialized():  # no peers without a process group
+    if getattr(layout, "check_cp_agreement", True) and not getattr(layout, _AGREED, False) and dist.is_initialized():
         verdict = _start_peer_check(layout, q, k, v, causal, scale, name, doc_ids, error)
     if error is not None:
         if verdict is not None:

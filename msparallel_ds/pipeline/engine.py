@@ -37,7 +37,8 @@ from torch import Tensor, nn
 from ..context_parallel.batch import inputs_and_targets
 from ..distributed.collectives import all_reduce_flat, clip_grad_norm_, global_grad_norm, sum_over
 from ..distributed.layout import ParallelLayout
-from ..loss import check_batch, check_finite_step, global_token_count, token_loss_sum
+from ..context_parallel.api import inputs_agreed
+from ..loss import check_batch_and_count, check_finite_step, token_loss_sum
 from ..strategy import Applied
 from .schedule import build_schedule
 from .split import split_model
@@ -152,7 +153,13 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------------------------------ batches
     def _inputs(self, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor, dict]:
-        ids, _ = check_batch(batch, self, "parallel_config.micro_batch_num")
+        """(input_ids, targets, schedule kwargs); sets the step's global token count, which rides in the batch
+        agreement's all-gather (the pp peers are always checked unless check_batch_agreement is off)."""
+        shifted = isinstance(batch, Mapping) and batch.get("shift_labels") is not None  # (S per row) win over labels
+        ids, _, counts = check_batch_and_count(batch, self, "parallel_config.micro_batch_num",
+                                               lambda labels: [batch["shift_labels"] if shifted else labels],
+                                               shifted=shifted)
+        self._n_tokens = counts()[0]
         batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         inputs, targets = inputs_and_targets(batch, self.layout)
         if self.layout.size("cp") == 1:
@@ -220,9 +227,6 @@ class PipelineEngine:
         (detached, float32) on every rank."""
         ids, targets, kwargs = self._inputs(batch)
         self._follow_batch_shape(ids)
-        shifted = batch.get("shift_labels") is not None  # already shifted targets (S per row) win over labels
-        labels = batch["shift_labels"] if shifted else batch.get("labels", batch["input_ids"])
-        self._n_tokens = global_token_count(labels, self.layout, self.device, shifted=shifted)
         for stage in self.stages:
             stage.submod.train()
         losses: list = []
@@ -230,8 +234,10 @@ class PipelineEngine:
         target = targets if self.holds_last else None
         # return_outputs=False: the step needs only the losses; merging the last stage's logits (and keeping every
         # micro-batch's until the step ends) would cost memory and time for nothing
-        self.schedule.step(*args, target=target, losses=losses if self.holds_last else None, return_outputs=False,
-                           **kwargs)
+        agreed = self.layout.size("cp") > 1 and getattr(self, "check_batch_agreement", True)  # (check_batch_and_count)
+        with inputs_agreed(self.layout, agreed):
+            self.schedule.step(*args, target=target, losses=losses if self.holds_last else None,
+                               return_outputs=False, **kwargs)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for loss in losses:
             total += loss.detach().float()

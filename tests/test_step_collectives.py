@@ -1,0 +1,132 @@
+"""Issue 44 item 12: the step-level collectives of msp.initialize's engine, counted, so the per-step guards cannot
+silently add collectives again.
+
+Every torch.distributed call of one train_batch (after a warm-up step) is attributed to the innermost frame of ours
+(outside msparallel_ds/distributed/, the helpers) or of DeepSpeed. The step-level ones, made by the engine, the loss
+module and the cp attention's peer check, must be exactly two per step on every layout: one carrying the global
+token count (with the tp / cp / pp batch agreement folded in when those peers exist) and one summing the step's
+loss (with ZeRO-0's finite-gradient flag folded in at tp 1). Before the fold, dp4 ZeRO-0 made 3 (plus the flag's
+all-reduce), dp2 x tp2 made 3 (a tp all-gather, the dp count, the loss) and dp2 x cp2 made 7 (plus a cp all-gather
+per attention call, 4 layers); this test failed there. The guards still catch what they caught
+(tests/test_hardening_inputs.py); here also a dp rank whose peers agree stops with the one whose peers do not, and
+NaN gradients on one rank under ZeRO-0 stop every rank before the update.
+"""
+import functools
+import os
+import sys
+
+import pytest
+from engine_cases import global_batch, tiny_config, tiny_model
+from harness import run_distributed
+
+OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+       "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "all_to_all", "all_to_all_single",
+       "barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_object", "broadcast_object_list")
+STEP_LEVEL = ("msparallel_ds/engine.py", "msparallel_ds/loss.py", "msparallel_ds/context_parallel/api.py")
+
+
+def _owner() -> str:
+    """The innermost caller frame of ours (outside msparallel_ds/distributed/) or of DeepSpeed."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename.replace(os.sep, "/")
+        if "/deepspeed/" in path:
+            return "deepspeed"
+        at = path.rfind("/msparallel_ds/")
+        if at >= 0 and "/msparallel_ds/distributed/" not in path:
+            return path[at + 1:]
+        frame = frame.f_back
+    return "other"
+
+
+def _counted(step) -> dict:
+    """{owner: calls} of torch.distributed collectives made by step() (nested calls count once)."""
+    import torch.distributed as dist
+
+    counts, depth = {}, [0]
+    originals = {op: getattr(dist, op) for op in OPS if hasattr(dist, op)}
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            if depth[0] == 0:
+                owner = _owner()
+                counts[owner] = counts.get(owner, 0) + 1
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return counted
+
+    for op, fn in originals.items():
+        setattr(dist, op, wrap(fn))
+    try:
+        step()
+    finally:
+        for op, fn in originals.items():
+            setattr(dist, op, fn)
+    return counts
+
+
+def _run(rank, world_size):
+    import torch
+
+    import msparallel_ds as msp
+
+    out = {}
+    for name, yaml in (("dp4", dict(dp=4, zero=2, clip=0.0)), ("dp4_zero0", dict(dp=4, zero=0, clip=0.0)),
+                       ("dp2_tp2", dict(dp=2, tp=2, zero=2, clip=0.0)),
+                       ("dp2_cp2", dict(dp=2, cp=2, algo="ulysses_cp", clip=0.0))):
+        engine = msp.initialize(tiny_model(), msp.load_config(tiny_config(**yaml)),
+                                optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
+        d = engine.layout.rank("dp")
+        ids, labels = global_batch(0, engine.layout.size("dp"), ignore_some=True)
+        batch = {"input_ids": ids[d:d + 1], "labels": labels[d:d + 1]}
+        engine.train_batch(batch)  # warm-up: DeepSpeed's first step sets up its buffers
+        counts = _counted(lambda: engine.train_batch(batch))
+        out[name] = {k: v for k, v in counts.items() if k in STEP_LEVEL}
+        out[name + "_all"] = counts
+        if name == "dp2_tp2":  # only dp rank 1's tp peers disagree: every rank stops, none waits in a collective
+            other = batch["input_ids"].clone()
+            other[0, 3] = (other[0, 3] + 1) % 256
+            bad = {**batch, "input_ids": other} if d == 1 and engine.layout.rank("tp") == 1 else batch
+            try:
+                engine.train_batch(bad)
+                out["one_block"] = None
+            except ValueError as e:
+                out["one_block"] = str(e)
+            out["after"] = float(engine.train_batch(batch))
+        if name == "dp4_zero0":  # a finite loss, NaN gradients on one rank: every rank stops before the update
+            weight = engine.model.get_input_embeddings().weight
+            hook = weight.register_hook(lambda g: g * float("nan")) if rank == 1 else None
+            before = weight.detach().clone()
+            try:
+                engine.train_batch(batch)
+                out["nan_grads"] = None
+            except FloatingPointError as e:
+                out["nan_grads"] = str(e)
+            out["nan_grads_unchanged"] = bool(torch.equal(before, weight.detach()))
+            if hook is not None:
+                hook.remove()
+    return out
+
+
+@pytest.mark.distributed
+def test_step_level_collectives_per_step():
+    results = run_distributed(_run, 4, timeout=240)
+    for rank, r in enumerate(results):
+        for name in ("dp4", "dp4_zero0", "dp2_tp2", "dp2_cp2"):
+            # one collective with the token count (+ the batch agreement), one with the loss sum
+            assert sum(r[name].values()) == 2, (rank, name, r[name], r[name + "_all"])
+            assert "msparallel_ds/context_parallel/api.py" not in r[name], (rank, name, r[name])
+        msg = r["one_block"]
+        assert msg and "train_batch: the peers of this dp rank were fed different batches" in msg, (rank, msg)
+        if rank // 2 == 1:  # dp rank 1 (ranks 2, 3): its own tp group names the difference
+            assert "tp rank 1 (global rank 3)" in msg and "input_ids contents" in msg, (rank, msg)
+        else:
+            assert "the peers of dp rank(s) 1 disagree" in msg, (rank, msg)
+        assert r["after"] > 0, rank
+        msg = r["nan_grads"]
+        assert msg and "global gradient norm is nan" in msg and "the optimizer step was not taken" in msg, (rank, msg)
+        assert r["nan_grads_unchanged"], rank
