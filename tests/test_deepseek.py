@@ -175,9 +175,9 @@ def test_mla_tp_plan_and_mtp_errors():
     dense = deepseek_model(**DENSE)
     assert adapter.tp_plan(dense.config, 2, sequence_parallel=False)[attn] == "copy_input"
     assert adapter.tp_plan(model.config, 2, sequence_parallel=False)["model.layers.1.mlp"] == "token_slice_block"
-    pp2 = SimpleNamespace(size=lambda n: 2 if n == "pp" else 1, plan=None)
-    with pytest.raises(ValueError, match="mtp_depth=1 .* pipeline_stage=2"):
-        parallelize_part(deepseek_model(), pp2, Options(mtp_depth=1, mtp_scale=0.3))
+    copies = SimpleNamespace(size=lambda n: 1, plan=SimpleNamespace(micro_batch_interleave_num=2))
+    with pytest.raises(ValueError, match="mtp_depth=1 with micro_batch_interleave_num=2"):
+        parallelize_part(deepseek_model(), copies, Options(mtp_depth=1, mtp_scale=0.3))
 
 
 def _accelerate_bias(rank, world_size):
