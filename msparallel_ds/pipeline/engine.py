@@ -44,8 +44,11 @@ from torch import Tensor, nn
 from ..context_parallel.batch import inputs_and_targets
 from ..distributed.collectives import all_reduce_flat, clip_grad_norm_, sum_over
 from ..distributed.layout import ParallelLayout
+from ..labels import IGNORE_INDEX
 from ..loss import check_batch, check_finite_step, global_token_counts, grads_norm_flag, token_loss_sum
+from ..models.mtp import shift_left
 from ..strategy import Applied
+from .mtp import install_mtp, without_mtp
 from .schedule import build_schedule, reset_stage_shapes
 from .split import split_model
 
@@ -225,9 +228,6 @@ class PipelineEngine:
         self._follow_batch_shape(ids)
         labels = batch["shift_labels"] if shifted else batch.get("labels", batch["input_ids"])
         labels = labels.to(self.device)
-        from ..models.mtp import shift_left
-        from ..labels import IGNORE_INDEX
-
         all_labels = [labels] + [shift_left(labels, k, IGNORE_INDEX) for k in range(1, self.mtp_depth + 1)]
         self._n_tokens = global_token_counts(all_labels, self.layout, self.device, shifted=shifted)
         self._parts = []  # per loss_fn call: (LM loss, MTP depth sums); a first step's shape inference adds one
@@ -345,7 +345,7 @@ def initialize_pipeline(model: nn.Module, layout: ParallelLayout, optimizer=None
                              f"layers over pipeline_stage={pp} x pp_interleave_num={vpp} (layers per stage "
                              f"{counts}); set model.model_config.num_layers: {n} to get the full offset checks")
     if depth and plan.config.use_legacy:  # legacy MindFormers counts the MTP layers in the last stage's share
-        counts = _without_mtp(counts, pp, vpp, plan.pp_schedule, depth)
+        counts = without_mtp(counts, pp, vpp, plan.pp_schedule, depth)
     if plan.config.model.compute_dtype not in ("float32", None) and layout.device_type != "cuda":
         warnings.warn(f"model.model_config.compute_dtype={plan.config.model.compute_dtype}: the pipeline engine "
                       "runs the model in its own dtype (float32 on CPU)", stacklevel=3)
@@ -370,7 +370,7 @@ def initialize_pipeline(model: nn.Module, layout: ParallelLayout, optimizer=None
         shared = share_embedding(modules, layout, vpp, plan.pp_schedule, embed_name=embed_name,
                                  head_name=head_name, mtp=bool(depth))
     if depth:
-        _install_mtp(modules, layout, options)
+        install_mtp(modules, layout, options)
     engine_box: list = []
 
     def loss_fn(logits, targets):
@@ -391,34 +391,3 @@ def initialize_pipeline(model: nn.Module, layout: ParallelLayout, optimizer=None
     engine.mtp_depth, engine.mtp_scale = depth, options.mtp_scale
     engine_box.append(engine)
     return engine
-
-
-def _without_mtp(counts: list, pp: int, vpp: int, schedule, depth: int) -> list:
-    """The decoder layers per stage when the legacy split (num_layers + mtp_depth, config.schema.pipeline_layers)
-    counts the MTP layers in the last stage's share."""
-    from .split import stage_chunks
-
-    out = [list(row) for row in counts]
-    rank = next(r for r in range(pp) if pp * vpp - 1 in stage_chunks(pp, vpp, r, schedule))
-    chunk = stage_chunks(pp, vpp, rank, schedule).index(pp * vpp - 1)
-    if out[chunk][rank] < depth:
-        raise ValueError(f"model.model_config.offset: the last pipeline stage's share ({out[chunk][rank]} layers) "
-                         f"must include the mtp_depth={depth} MTP layers (legacy MindFormers counts them there); "
-                         "give the last stage a larger offset")
-    out[chunk][rank] -= depth
-    return out
-
-
-def _install_mtp(stages, layout: ParallelLayout, options) -> None:
-    """The last stage runs the MTP layers after its decoder layers (models.stage, models.mtp.StageMTP)."""
-    from ..models.mtp import StageMTP
-    from ..tensor_parallel.mappings import scatter_to_region
-
-    sp = options.sequence_parallel and layout.size("tp") > 1
-    for stage in stages:
-        if stage.is_last:
-            n = stage.config.num_hidden_layers
-            layers = [layer for i, layer in stage.body.layers.items() if int(i) >= n]
-            stage.mtp = StageMTP(layers, options.mtp_scale, after_norm=not options.mtp_legacy,
-                                 hidden_first=options.mtp_legacy,
-                                 scatter=(lambda x: scatter_to_region(x, layout.group("tp"), 1)) if sp else None)
