@@ -4,7 +4,8 @@ prediction under pipeline parallel, on 4 gloo processes against one process.
 GPT-2 with its tied head: pp2 x dp2 (1F1B, ZeRO-1) and pp2 x tp2 + SP zero_bubble_v (first and last stage on one
 rank: one vocab-parallel parameter again after tp; interleaved pp2 x dp2 is test_families'), 3 AdamW
 steps with global-norm clipping: losses <= 1e-6 relative, the global grad norm (the shared weight counted once)
-<= 1e-6, weights <= 1e-5; engine.save writes the embedding once and engine.load fills both copies.
+<= 1e-6, weights <= 1e-5; engine.save (single file and sharded) writes the embedding once and engine.load fills
+both copies.
 DeepSeek-V3 with MTP from the real flagship YAMLs scaled (the way tests/test_real_configs.py scales them):
 pp2 x tp2 + SP x ep2 with optimizer parallel, seqpipe run as 1F1B (pretrain 671B), and its interleaved / ZB-V
 variants; LM loss, MTP loss, global grad norm and every weight (the router expert bias included) against one process.
@@ -160,6 +161,11 @@ def _gpt2(name, save_dir):
         again.load(f"{save_dir}/{name}")
         mine = dict(engine.model.named_parameters())
         out["reload_err"] = max(float((p - mine[n]).detach().abs().max()) for n, p in again.model.named_parameters())
+        engine.save(f"{save_dir}/{name}_sharded", sharded=True)  # the sharded (DCP) save: the same rule
+        third = msp.initialize(tiny_family("gpt2", tied=True), cfg, optimizer=_adamw)
+        third.load(f"{save_dir}/{name}_sharded")
+        out["reload_err"] = max([out["reload_err"]] + [float((p - mine[n]).detach().abs().max())
+                                                       for n, p in third.model.named_parameters()])
         out["saved_keys"] = sorted(torch.load(f"{save_dir}/{name}/{_file()}", weights_only=True)["params"]) \
             if engine.layout.global_rank == 0 else None
     return out
