@@ -67,7 +67,7 @@ def _train(name, save_dir=None):
         ids, labels = global_batch(step, rows * lay.size("dp"))
         share = slice(lay.rank("dp") * rows, (lay.rank("dp") + 1) * rows)
         losses.append(engine.train_batch({"input_ids": ids[share], "labels": labels[share]}).item())
-        norms.append(getattr(engine, "global_grad_norm", None))  # the pipeline engine does not report it
+        norms.append(getattr(engine, "global_grad_norm", None))  # both engines report it (None without clipping)
         mtp.append(getattr(engine, "last_mtp_loss", None))
         aux.append(getattr(engine, "last_aux_loss", None))
     out = {"losses": losses, "norms": norms, "mtp": mtp, "aux": aux, "rows": rows * lay.size("dp"),

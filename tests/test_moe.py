@@ -95,7 +95,7 @@ def _train(name):
     losses, norms, aux = [], [], []
     for step in range(STEPS):
         losses.append(_step(engine, step))
-        norms.append(getattr(engine, "global_grad_norm", None))  # the pipeline engine does not report it
+        norms.append(getattr(engine, "global_grad_norm", None))  # both engines report it (None without clipping)
         aux.append(getattr(engine, "last_aux_loss", None))
     lay = engine.layout
     return {"losses": losses, "norms": norms, "aux": aux, "state": engine.full_state_dict(rank0_only=True),
