@@ -26,6 +26,9 @@ class TrainEngine(Protocol):
     micro_batch_size: int          # rows per micro-batch (runner_config.batch_size x micro_batch_interleave_num)
     gradient_accumulation_steps: int
     global_steps: int
+    global_grad_norm: Optional[float]  # the step's global norm before clipping (None without clipping)
+    last_aux_loss: Optional[float]     # the routers' aux + z loss of the last step, logged apart
+    last_mtp_loss: Optional[float]     # the multi-token-prediction cross-entropy of the last step, logged apart
 
     @property
     def model(self) -> nn.Module: ...

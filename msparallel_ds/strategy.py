@@ -213,19 +213,23 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
                    expert_bias=expert_bias, mtp=mtp)
 
 
-def _add_mtp(part: nn.Module, layout: ParallelLayout, depth: int) -> None:
-    """The YAML's MTP layers on a whole model (models.mtp); pipeline stages and multi-copy do not run them yet."""
-    from .models.mtp import add_mtp_layers
-
-    if layout.size("pp") > 1 or not hasattr(part, "get_input_embeddings"):
-        raise ValueError(f"model.model_config.mtp_depth={depth} (multi-token prediction) with pipeline_stage="
-                         f"{layout.size('pp')}: the MTP layers run with data, tensor, sequence, context and expert "
-                         "parallel, not yet on a pipeline's last stage; set pipeline_stage: 1 or mtp_depth: 0")
+def check_mtp(layout: ParallelLayout, depth: int) -> None:
+    """MTP's limits (models.mtp): the multi-copy interleave does not run it."""
     plan = getattr(layout, "plan", None)
     if plan is not None and plan.micro_batch_interleave_num > 1:
         raise ValueError(f"model.model_config.mtp_depth={depth} with micro_batch_interleave_num="
                          f"{plan.micro_batch_interleave_num}: multi-token prediction does not run with the multi-copy "
                          "interleave yet; set micro_batch_interleave_num: 1")
+
+
+def _add_mtp(part: nn.Module, layout: ParallelLayout, depth: int) -> None:
+    """The YAML's MTP layers on a whole model (models.mtp); the pipeline engine adds them before its cut."""
+    from .models.mtp import add_mtp_layers
+
+    if not hasattr(part, "get_input_embeddings"):
+        raise ValueError(f"model.model_config.mtp_depth={depth} (multi-token prediction): the model has no input "
+                         "embedding to share with its MTP layers; set mtp_depth: 0")
+    check_mtp(layout, depth)
     add_mtp_layers(part, depth)
 
 

@@ -49,8 +49,8 @@ def _adamw(params):
 
 
 def _tied(family, case):
-    """GPT-2 ties its head to wte (tp and cp cases); a tied head with pp > 1 is refused, so pp runs untied."""
-    return family == "gpt2" and "pp" not in _cases(family)[case]
+    """GPT-2 ties its head to wte, also across pipeline stages (pipeline.shared)."""
+    return family == "gpt2"
 
 
 def _round_trip(engine, save_dir):

@@ -66,13 +66,20 @@ def test_chained_stages_equal_the_model_and_keep_hf_names(vpp, offset, schedule)
     assert torch.allclose(x, want, atol=1e-5), (x - want).abs().max()
 
 
-def test_split_refuses_a_layer_count_mismatch_and_tied_embeddings():
+def test_split_refuses_a_layer_count_mismatch_and_cuts_the_mtp_layers_to_the_last_stage():
+    """MTP layers (after the decoder's) go to the last stage with the embedding (pipeline.shared joins the copies);
+    the first stage's layer count excludes them. A tied head is no longer refused (pipeline.shared)."""
+    from msparallel_ds.models.mtp import add_mtp_layers
+
     with pytest.raises(ValueError, match="model.model_config.num_layers"):
         split_model(_model(6), [[2, 2]], 0, "1f1b")
-    tied = _model(4)
-    tied.config.tie_word_embeddings = True
-    with pytest.raises(ValueError, match="tie_word_embeddings"):
-        split_model(tied, [[2, 2]], 0, "1f1b")
+    model = _model(4)
+    add_mtp_layers(model, 1)
+    (last,), _, _ = split_model(model, [[2, 2]], 1, "1f1b", mtp=1)
+    (first,), _, _ = split_model(model, [[2, 2]], 0, "1f1b", mtp=1)
+    assert last.layer_ids == [2, 3] and sorted(last.body.layers) == ["2", "3", "4"]
+    assert last.body.embed_tokens is model.model.embed_tokens and first.layer_ids == [0, 1]
+    assert sorted(first.body.layers) == ["0", "1"]
 
 
 def _yaml(**par):

@@ -46,6 +46,8 @@ def _sharded_records(engine, base, zero, keys):
     from .sharded import writes
 
     for i, (name, p) in enumerate(engine.model.named_parameters()):
+        if getattr(p, "shared_embedding", False):  # written once, by the first stage (pipeline.shared)
+            continue
         shard = engine.spec.get(name)
         if writes(engine.layout, shard, i, zero._param_to_rank[p] if zero is not None else None):
             state = base.state.get(p, {})
@@ -72,6 +74,8 @@ def save_pipeline_checkpoint(engine, save_dir: str, *, sharded: bool = False, as
     records: dict[str, dict[str, Tensor]] = {}
     steps = []
     for name, p in engine.model.named_parameters():
+        if getattr(p, "shared_embedding", False):  # written once, by the first stage (pipeline.shared)
+            continue
         rec = {"fp32": p.detach().float()}
         if stateful:
             state = base.state.get(p, {})
@@ -101,8 +105,9 @@ def load_pipeline_checkpoint(engine, load_dir: str) -> dict[str, Any]:
         return _load_sharded(engine, load_dir)
     ck, sliced = agreed(lambda: read_for_layout(load_dir, layout), what)  # engine.save's file or a converted one
     spec, keys = engine.spec, optimizer_keys(base)
+    aliases = _aliases(engine)
     parts = agreed(lambda: validated_parts(ck, engine.model, engine._hf, spec, layout, sliced, load_dir,
-                                           subset=True), what)  # everything checked before any tensor is touched
+                                           subset=True, aliases=aliases), what)  # everything checked before any tensor is touched
     ensure_adam_state(base, keys, ck["optimizer_step"])
     with torch.no_grad():
         for name, p in engine.model.named_parameters():
@@ -115,6 +120,11 @@ def load_pipeline_checkpoint(engine, load_dir: str) -> dict[str, Any]:
     return resume_progress(engine, ck)
 
 
+def _aliases(engine) -> dict[str, str]:
+    shared = getattr(engine, "shared", None)
+    return dict(shared.aliases) if shared is not None else {}
+
+
 def _load_sharded(engine, load_dir: str) -> dict[str, Any]:
     """Resume this rank's stages from a sharded (DCP) save: the weights everywhere, the Adam moments where this
     rank holds the optimizer state (ZeRO-1: its own parameters)."""
@@ -123,9 +133,11 @@ def _load_sharded(engine, load_dir: str) -> dict[str, Any]:
     base = _base(engine.optimizer)
     keys = optimizer_keys(base)
     owned = {p for g in base.param_groups for p in g["params"]}
-    named = dict(engine.model.named_parameters())
-    wanted = [(n, tuple(p.shape), engine.spec.get(n), ("fp32",) + (keys if p in owned else ()))
-              for n, p in named.items()]
+    aliases = _aliases(engine)  # the last stage's copy of the word embedding reads the first stage's record
+    view = dict(engine.model.named_parameters())
+    named = {aliases.get(n, n): p for n, p in view.items()}
+    wanted = [(aliases.get(n, n), tuple(p.shape), engine.spec.get(n), ("fp32",) + (keys if p in owned else ()))
+              for n, p in view.items()]
     plan = open_sharded(engine, load_dir, wanted, engine._hf, subset=True)
     ensure_adam_state(base, keys, plan["progress"]["optimizer_step"])
 

@@ -8,7 +8,7 @@ layout, model, spec, lr_scheduler and global_steps (the HF Trainer passes such a
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -123,20 +123,24 @@ def save_checkpoint(engine, save_dir: str, *, sharded: bool = False, async_save:
     write_agreed(record, os.path.join(save_dir, FILE), engine.ds.device)  # every rank learns whether it was written
 
 
-def validated_parts(ck: dict, view, hf_model, spec, layout, sliced: bool, source: str, *, subset: bool = False):
+def validated_parts(ck: dict, view, hf_model, spec, layout, sliced: bool, source: str, *, subset: bool = False,
+                    aliases: Optional[dict] = None):
     """This rank's part of every checkpoint tensor for `view`'s parameters, after checking EVERYTHING (names, the
     saved model config against `hf_model`'s, every shape under this layout, checksums) and before any tensor is
-    touched: a failing load leaves the engine's weights and optimizer state as they were."""
+    touched: a failing load leaves the engine's weights and optimizer state as they were. `aliases`: a parameter
+    name -> the checkpoint name it loads from (a pipeline's last-stage copy of the word embedding)."""
+    aliases = aliases or {}
     named = list(view.named_parameters())
-    check_names((n for n, _ in named), ck["params"], source, subset=subset)
+    check_names((aliases.get(n, n) for n, _ in named), ck["params"], source, subset=subset)
     check_model_config(ck.get("model_config"), hf_model, source)
     parts = {}
     for name, p in named:
         try:
-            parts[name] = {k: fit(v, spec.get(name), layout, sliced, p.shape) for k, v in ck["params"][name].items()}
+            parts[name] = {k: fit(v, spec.get(name), layout, sliced, p.shape)
+                           for k, v in ck["params"][aliases.get(name, name)].items()}
         except ValueError as e:
             raise ValueError(f"{source}: parameter {name}: {e}. Nothing was loaded") from None
-    verify_checksums(ck, parts, source)
+    verify_checksums(ck, [aliases.get(n, n) for n in parts], source)
     return parts
 
 

@@ -252,7 +252,7 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], layout: ParallelLayou
     """The global L2 norm of the grads (grads already summed over dp_cp), the same on every rank; non-finite when any
     gradient is. Global over the model's shards: tp-sharded parameters (attribute tensor_model_parallel) count on
     every tp rank, replicated ones on tp rank 0 only, and the squares are summed over "pp_tp" (the stages and tp
-    shards of one replica). Expert-parallel parameters (attribute expert_parallel; their grads already summed over
+    shards of one replica; a copy marked shared_embedding is counted once, on its first stage). Expert-parallel parameters (attribute expert_parallel; their grads already summed over
     edp) are distinct per ep rank: their squares are summed over "ep" (all of a stage's experts) and then counted
     once per stage, on tp rank 0. Every param must have a grad. `device`: where the norm is computed (default: the
     first grad's)."""
@@ -263,6 +263,8 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], layout: ParallelLayou
     sq = torch.zeros((), dtype=torch.float32, device=device)
     expert_sq = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
+        if getattr(p, "shared_embedding", False):  # the last stage's copy of the first stage's (pipeline.shared)
+            continue
         if getattr(p, "expert_parallel", False):
             expert_sq += p.grad.detach().float().pow(2).sum()
         elif getattr(p, "tensor_model_parallel", False) or tp_rank0:

@@ -152,6 +152,18 @@ class ParallelLayout:
         """Global ranks of this rank's group for `name`, in group-rank order."""
         return self._ranks[self._check(name)]
 
+    def embedding_group(self, last_pp: int) -> dist.ProcessGroup:
+        """Megatron's embedding group: the ranks of pp coordinates 0 and `last_pp` (the stages holding the word
+        embedding and its last-stage copy) sharing this rank's other coordinates. Collective on first use (every
+        rank calls, same `last_pp`); last_pp must differ from 0."""
+        cache = self.__dict__.setdefault("_embedding_groups", {})
+        if last_pp not in cache:
+            stage = self.world_size // self.size("pp")
+            pairs = [[r, last_pp * stage + r] for r in range(stage)]
+            group, _ = dist.new_subgroups_by_enumeration(pairs, timeout=self.timeout)
+            cache[last_pp] = group
+        return cache[last_pp]
+
     @property
     def coords(self) -> dict[str, int]:
         return {name: self.rank(name) for name in GROUP_NAMES}

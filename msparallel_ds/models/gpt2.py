@@ -9,9 +9,9 @@ SP and vocab parallel as the Llama family's, under the base model `transformer` 
 attention's split size and head count become this rank's. cp runs through the HF attention interface (GPT-2 has
 no RoPE; its learned positions are looked up from the global position_ids the cp batch carries).
 Pipeline: a stage holds wte/wpe on the first stage and ln_f/lm_head on the last (Gpt2Stage). A tied head
-(tie_word_embeddings, GPT-2's default) with pipeline_stage > 1 is refused by the pipeline split, as for every
-family: the head and the embedding would live on different stages. The fine-grain and multi-copy interleave do
-not run GPT-2 (its blocks are not the decomposed shape; refused with the keys named).
+(tie_word_embeddings, GPT-2's default) is the word embedding shared across the first and last stage
+(pipeline.shared: the last stage's copy, grads summed over the embedding group). The fine-grain and multi-copy
+interleave do not run GPT-2 (its blocks are not the decomposed shape; refused with the keys named).
 
 MindFormers (1.3.2 models/gpt2): GPT2Config YAML keys -> HF gpt2 config (gpt2_hf_config); checkpoint names
 (convert_weight.py: backbone.blocks.N.attention.dense1/2/3 = c_attn's q/k/v transposed, projection / output.mapping /

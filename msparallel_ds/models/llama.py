@@ -129,8 +129,8 @@ class LlamaFamily(DecoderAdapter):
         return getattr(getattr(layer, "self_attn", None), "layer_idx", default)
 
     # ------------------------------------------------------------------------------------------ pipeline
-    def make_stage(self, model: nn.Module, layer_ids, *, first: bool, last: bool) -> StageModule:
-        return StageModule.cut(model, layer_ids, first=first, last=last)
+    def make_stage(self, model: nn.Module, layer_ids, *, first: bool, last: bool, mtp: int = 0) -> StageModule:
+        return StageModule.cut(model, layer_ids, first=first, last=last, mtp=mtp)
 
     # ------------------------------------------------------------------------------------------ MindFormers weights
     def mindformers_weights(self, config: Any, *, legacy: bool, qkv_interleaved: bool = True,

@@ -24,7 +24,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MultiTokenPrediction", "add_mtp_layers", "mtp_layers", "shift_left"]
+__all__ = ["MultiTokenPrediction", "StageMTP", "add_mtp_layers", "mtp_inputs", "mtp_layers", "run_depths",
+           "shift_left"]
 
 MTP_SEED = 20251  # MTP layers a model lacks are initialised from this seed: the same weights on every rank
 
@@ -66,6 +67,56 @@ def add_mtp_layers(model: nn.Module, depth: int) -> list[nn.Module]:
     return mtp_layers(model)
 
 
+def run_depths(layers, embed: nn.Module, h: Tensor, ids: list[Tensor], ctx: dict, *, hidden_first: bool,
+               scatter=None) -> list[Tensor]:
+    """h_1 .. h_D from the decoder's output h and depth k's shifted ids (module docstring); `ctx`: the decoder
+    layers' keyword arguments (position embeddings, mask, ...)."""
+    outs = []
+    for layer, ids_k in zip(layers, ids):
+        e = embed(ids_k)
+        if scatter is not None:
+            e = scatter(e)
+        parts = [layer.hnorm(h), layer.enorm(e)] if hidden_first else [layer.enorm(e), layer.hnorm(h)]
+        x = layer.eh_proj(torch.cat(parts, dim=-1))
+        x = layer(x, use_cache=False, past_key_values=None, **ctx)
+        h = layer.shared_head.norm(x[0] if isinstance(x, tuple) else x)
+        outs.append(h)
+    return outs
+
+
+def mtp_inputs(ids: Tensor, labels: Tensor, layout, depth: int) -> tuple[list[Tensor], list[Tensor]]:
+    """Depth k's shifted input ids and targets (labels shifted by k + 1, the rolled-in tail ignored), k = 1..depth,
+    cut like input_ids and the LM targets (context parallel shards them as it shards the sequence)."""
+    from ..context_parallel.batch import inputs_and_targets
+    from ..labels import IGNORE_INDEX
+
+    out_ids, targets = [], []
+    for k in range(1, depth + 1):
+        inputs, t = inputs_and_targets({"input_ids": shift_left(ids, k, 0),
+                                        "labels": shift_left(labels, k, IGNORE_INDEX)}, layout)
+        out_ids.append(inputs["input_ids"])
+        targets.append(t)
+    return out_ids, targets
+
+
+class StageMTP:
+    """The MTP layers of a pipeline's last stage (models.stage.StageModule.forward runs them after the final norm;
+    legacy: on the hidden state before it)."""
+
+    def __init__(self, layers: list[nn.Module], scale: float, *, after_norm: bool = True, hidden_first: bool = False,
+                 scatter=None):
+        self.layers, self.scale = layers, float(scale)
+        self.after_norm, self.hidden_first, self.scatter = after_norm, hidden_first, scatter
+
+    @property
+    def depth(self) -> int:
+        return len(self.layers)
+
+    def run(self, normed: Tensor, hidden: Tensor, embed: nn.Module, ids: list[Tensor], ctx: dict) -> list[Tensor]:
+        return run_depths(self.layers, embed, normed if self.after_norm else hidden, ids, ctx,
+                          hidden_first=self.hidden_first, scatter=self.scatter)
+
+
 class MultiTokenPrediction:
     """The MTP layers of a whole model, run after its decoder (a forward hook on the base model) on the context the
     decoder layers got (position embeddings, mask, attention kwargs), from ids the engine sets in `pending_ids`."""
@@ -100,17 +151,8 @@ class MultiTokenPrediction:
             self.outputs = []
             return output
         ids, self.pending_ids = self.pending_ids, []
-        embed = self.model.get_input_embeddings()
-        h, outs = self._h, []
-        for layer, ids_k in zip(self.layers, ids):
-            e = embed(ids_k)
-            if self.scatter is not None:
-                e = self.scatter(e)
-            parts = [layer.hnorm(h), layer.enorm(e)] if self.hidden_first else [layer.enorm(e), layer.hnorm(h)]
-            x = layer.eh_proj(torch.cat(parts, dim=-1))
-            x = layer(x, use_cache=False, past_key_values=None, **self._ctx)
-            h = layer.shared_head.norm(x[0] if isinstance(x, tuple) else x)
-            outs.append(h)
+        outs = run_depths(self.layers, self.model.get_input_embeddings(), self._h, ids, self._ctx,
+                          hidden_first=self.hidden_first, scatter=self.scatter)
         self.outputs, self._h, self._ctx = outs, None, {}
         return output
 
@@ -124,14 +166,8 @@ class MultiTokenPrediction:
     def prepare(self, micro: dict, layout) -> list[Tensor]:
         """Before a micro-batch's forward: queue depth k's shifted ids (this rank's cut of them) and return depth k's
         targets (labels shifted by k + 1, tail ignored), cut like the LM targets."""
-        from ..context_parallel.batch import inputs_and_targets
-
         ids = micro["input_ids"]
-        self.pending_ids, targets = [], []
-        for k, labels in enumerate(self.shifted_labels(micro.get("labels", ids)), start=1):
-            inputs, t = inputs_and_targets({"input_ids": shift_left(ids, k, 0), "labels": labels}, layout)
-            self.pending_ids.append(inputs["input_ids"])
-            targets.append(t)
+        self.pending_ids, targets = mtp_inputs(ids, micro.get("labels", ids), layout, self.depth)
         return targets
 
     def loss_sums(self, head: nn.Module, targets: list[Tensor]) -> list[Tensor]:

@@ -4,6 +4,9 @@ index>`, `model.norm`, `lm_head`), so state-dict keys, TP plan patterns and the 
 forward(input_ids | hidden, position_ids=[b, s], **layer_kwargs) -> hidden | logits: each stage rebuilds RoPE and
 the causal masks from position_ids (passed to every stage as a keyword), so only the hidden state crosses stage
 boundaries. The first stage embeds, the last applies the final norm and lm_head and returns logits.
+Multi-token prediction (models.mtp) runs on the last stage: it holds the MTP layers (under their HF names
+`model.layers.{N+k}`, after the decoder's N) and the word embedding's copy (pipeline.shared), gets depth k's shifted
+ids as the keyword `mtp_ids` [b, D, s] and returns (logits, depth 1 logits, ..., depth D logits).
 """
 from __future__ import annotations
 
@@ -48,17 +51,21 @@ class StageModule(nn.Module):
     def __init__(self, config, prefix: str, body: _Body, lm_head: Optional[nn.Module], *, first: bool, last: bool):
         super().__init__()
         self.config, self.is_first, self.is_last, self.prefix = config, first, last, prefix
-        self.layer_ids = [int(i) for i in body.layers]
+        n = config.num_hidden_layers
+        self.layer_ids = [int(i) for i in body.layers if int(i) < n]  # decoder layers; MTP layers come after them
         self.add_module(prefix, body)
         self.lm_head = lm_head
         self._runner: Optional[list] = None  # a plain list: the runner must not register the layers again
+        self.mtp = None  # models.mtp.StageMTP on a last stage running multi-token prediction
 
     @classmethod
-    def cut(cls, model: nn.Module, layer_ids, *, first: bool, last: bool) -> StageModule:
-        """Layers `layer_ids` of a HF causal LM, with the embedding if `first`, the norm and lm_head if `last`."""
+    def cut(cls, model: nn.Module, layer_ids, *, first: bool, last: bool, mtp: int = 0) -> StageModule:
+        """Layers `layer_ids` of a HF causal LM, with the embedding if `first`, the norm and lm_head if `last`; a
+        last stage with `mtp` MTP layers holds them and the embedding too (its copy of the first stage's)."""
         prefix = model.base_model_prefix
         base = model.get_submodule(prefix)
-        body = _Body(base.embed_tokens if first else None, {i: base.layers[i] for i in layer_ids},
+        ids = list(layer_ids) + (list(range(model.config.num_hidden_layers, len(base.layers))) if last and mtp else [])
+        body = _Body(base.embed_tokens if first or (last and mtp) else None, {i: base.layers[i] for i in ids},
                      base.norm if last else None, base.rotary_emb)
         return cls(model.config, prefix, body, model.lm_head if last else None, first=first, last=last)
 
@@ -69,8 +76,8 @@ class StageModule(nn.Module):
         head = next((s for s in stages if s.is_first), None)
         tail = next((s for s in stages if s.is_last), None)
         layers = {int(i): layer for s in stages for i, layer in s.body.layers.items()}
-        body = _Body(head.body.embed_tokens if head else None, layers, tail.body.norm if tail else None,
-                     stages[0].body.rotary_emb)
+        embed = (head or tail).body.embed_tokens if head or tail else None  # a last stage's copy (MTP) too
+        body = _Body(embed, layers, tail.body.norm if tail else None, stages[0].body.rotary_emb)
         return cls(stages[0].config, stages[0].prefix, body, tail.lm_head if tail else None, first=head is not None,
                    last=tail is not None)
 
@@ -86,10 +93,10 @@ class StageModule(nn.Module):
     def interleaved(self, runner) -> None:
         self._runner = None if runner is None else [runner]
 
-    def forward(self, x: Tensor, position_ids: Tensor, **kwargs) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Tensor, mtp_ids: Optional[Tensor] = None, **kwargs):
         body = self.body
         hidden = body.embed_tokens(x) if self.is_first else x
-        layers = list(body.layers.values())
+        layers = [body.layers[str(i)] for i in self.layer_ids]
         masks = attention_masks(self.config, hidden, position_ids, layers)
         position_embeddings = body.rotary_emb(hidden, position_ids=position_ids)
         common = dict(position_embeddings=position_embeddings, position_ids=position_ids, use_cache=False, **kwargs)
@@ -101,4 +108,11 @@ class StageModule(nn.Module):
                                **common)
         if not self.is_last:
             return hidden
-        return self.lm_head(body.norm(hidden))
+        out = body.norm(hidden)
+        logits = self.lm_head(out)
+        if self.mtp is None:
+            return logits
+        ctx = dict(attention_mask=masks["full_attention"], position_embeddings=position_embeddings,
+                   position_ids=position_ids, **kwargs)
+        hs = self.mtp.run(out, hidden, body.embed_tokens, mtp_ids.unbind(1), ctx)
+        return (logits, *(self.lm_head(h) for h in hs))

@@ -23,9 +23,16 @@ Built on torch.distributed.pipelining, not DeepSpeed's PipelineModule (ZeRO <= 1
 6. The loss returned is the global-batch mean on every rank: summed over dp x cp on the last stage, then over pp.
    A non-finite loss or gradient norm stops the step before the update (loss.check_finite_step).
 7. The stages' P2P buffer shapes follow the batch: a new sequence length re-runs torch's stage shape inference.
+8. A tied output head (GPT-2) or multi-token prediction shares the word embedding between the first and the last
+   stage as Megatron does (pipeline.shared: a copy on the last stage, its grad summed with the first's over the
+   embedding group before clipping, counted once in the norm, saved once). MTP (models.mtp, mcore semantics as at
+   pp = 1): the MTP layers sit on the last stage; depth k's shifted ids travel to it as the keyword `mtp_ids` and its
+   targets with the LM's in the schedule's target ([b, 1 + D, s]); the last stage returns (logits, depth logits...),
+   the loss adds mtp_loss_scaling_factor / D x each depth's global token mean, logged apart as last_mtp_loss.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from typing import Any, Mapping, Optional
@@ -38,9 +45,12 @@ from ..context_parallel.batch import inputs_and_targets
 from ..distributed.collectives import all_reduce_flat, clip_grad_norm_, global_grad_norm, sum_over
 from ..distributed.layout import ParallelLayout
 from ..context_parallel.api import inputs_agreed
+from ..labels import IGNORE_INDEX
 from ..loss import check_batch_and_count, check_finite_step, token_loss_sum
+from ..models.mtp import shift_left
 from ..strategy import Applied
-from .schedule import build_schedule
+from .mtp import install_mtp, without_mtp
+from .schedule import build_schedule, reset_stage_shapes
 from .split import split_model
 
 __all__ = ["PipelineEngine", "initialize_pipeline"]
@@ -94,30 +104,6 @@ def _build_optimizer(view: nn.Module, optimizer, plan, layout: ParallelLayout) -
     return cls(params, **defaults)
 
 
-_INIT_FLAGS = ("_stages_forward_initialized", "_stages_backward_initialized", "_stage_forward_initialized",
-               "_stage_backward_initialized", "_stages_initialized", "_stage_initialized")
-
-
-def reset_stage_shapes(schedule, stages, old: tuple, new: tuple) -> None:
-    """Make the schedule infer its stages' input/output shapes (and P2P buffers) again at the next step. Every rank
-    of the pp group sees the same batch shape, so all of them re-run the (collective) shape inference together."""
-    flags = [f for f in _INIT_FLAGS if hasattr(schedule, f)]
-    if not flags:  # a torch whose schedules keep their shapes elsewhere: refuse before any collective
-        raise ValueError(f"pipeline_stage > 1: the batch shape changed from {old} to {new}, and this torch "
-                         f"({torch.__version__}) pipelining schedule cannot re-infer its stage buffer shapes; pad "
-                         f"every batch to one sequence length (e.g. {old[1]} = model.model_config.seq_length)")
-    for flag in flags:
-        setattr(schedule, flag, False)
-    for stage in stages:
-        stage.clear_runtime_states()
-        stage.args_recv_info.clear()
-        stage.grad_recv_info.clear()
-        stage.grad_send_info = None
-        for attr in ("inputs_meta", "_outputs_meta"):  # torch < 2.9 keeps the inferred shapes here
-            if hasattr(stage, attr):
-                setattr(stage, attr, None)
-
-
 class PipelineEngine:
     """This pp rank's stages, their schedule, the optimizer and layout. Build with msp.initialize."""
 
@@ -129,8 +115,10 @@ class PipelineEngine:
         self.applied = applied
         self._records = tuple(records)  # every chunk's record (each has its own aux-loss state)
         self.last_aux_loss: Optional[float] = None  # the routers' aux + z loss of the last step (logged apart)
-        self.last_mtp_loss: Optional[float] = None  # not reported by the pipeline engine (None)
-        self.global_grad_norm: Optional[float] = None  # the last step's global gradient norm before clipping
+        self.last_mtp_loss: Optional[float] = None  # the multi-token-prediction cross-entropy (logged apart)
+        self.global_grad_norm: Optional[float] = None
+        self.shared = None  # pipeline.shared.SharedEmbedding: this rank's end of a cross-stage word embedding
+        self.mtp_depth, self.mtp_scale, self.tied_names = 0, 0.0, {}  # set by initialize_pipeline
         self.stage_ids, self.layout, self.plan, self.device = stage_ids, layout, plan, device
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.micro_batch_size = plan.micro_batch_size * plan.micro_batch_interleave_num
@@ -148,18 +136,30 @@ class PipelineEngine:
         return self.applied.spec
 
     # ------------------------------------------------------------------------------------------ loss
-    def _loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return token_loss_sum(logits, targets, self._head) / self._n_tokens
+    def _loss_fn(self, out, targets: Tensor) -> Tensor:
+        if not self.mtp_depth:
+            loss = token_loss_sum(out, targets, self._head) / self._n_tokens[0]
+            self._parts.append((loss.detach().float(), None))
+            return loss
+        logits, *depths = out  # LM targets first, then depth k's ([b, 1 + D, s])
+        loss = token_loss_sum(logits, targets[:, 0].contiguous(), self._head) / self._n_tokens[0]
+        sums = [token_loss_sum(x, targets[:, k].contiguous(), self._head) for k, x in enumerate(depths, start=1)]
+        self._parts.append((loss.detach().float(), torch.stack([s_.detach().float() for s_ in sums])))
+        return loss + sum(s_ * (self.mtp_scale / self.mtp_depth) / n for s_, n in zip(sums, self._n_tokens[1:]))
 
     # ------------------------------------------------------------------------------------------ batches
     def _inputs(self, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor, dict]:
         """(input_ids, targets, schedule kwargs); sets the step's global token count, which rides in the batch
         agreement's all-gather (the pp peers are always checked unless check_batch_agreement is off)."""
         shifted = isinstance(batch, Mapping) and batch.get("shift_labels") is not None  # (S per row) win over labels
-        ids, _, counts = check_batch_and_count(batch, self, "parallel_config.micro_batch_num",
-                                               lambda labels: [batch["shift_labels"] if shifted else labels],
-                                               shifted=shifted)
-        self._n_tokens = counts()[0]
+        depth = self.mtp_depth
+
+        def counted(labels):  # the LM's targets, then each MTP depth's (labels shifted left by k)
+            first = batch["shift_labels"] if shifted else labels
+            return [first] + [shift_left(labels, k, IGNORE_INDEX) for k in range(1, depth + 1)]
+        ids, _, counts = check_batch_and_count(batch, self, "parallel_config.micro_batch_num", counted,
+                                               shifted=shifted, n_counts=1 + depth)
+        self._n_tokens = counts()
         batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         inputs, targets = inputs_and_targets(batch, self.layout)
         if self.layout.size("cp") == 1:
@@ -169,6 +169,13 @@ class PipelineEngine:
                 inputs["position_ids"] = torch.arange(s, device=self.device).unsqueeze(0).expand(ids.shape[0], s)
         kwargs = {k: v.expand(ids.shape[0], -1).contiguous() if k == "position_ids" else v
                   for k, v in inputs.items() if k in ("position_ids", "doc_ids")}
+        if self.mtp_depth:  # depth k's shifted ids to the last stage, its targets with the LM's
+            from ..models.mtp import mtp_inputs
+
+            mtp_ids, mtp_targets = mtp_inputs(batch["input_ids"], batch.get("labels", batch["input_ids"]),
+                                              self.layout, self.mtp_depth)
+            kwargs["mtp_ids"] = torch.stack(mtp_ids, 1)
+            targets = torch.stack([targets, *mtp_targets], 1)
         return inputs["input_ids"], targets, kwargs
 
     # ------------------------------------------------------------------------------------------ step
@@ -189,6 +196,8 @@ class PipelineEngine:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        if self.shared is not None:  # the word embedding's two copies: grads summed (first and last stage)
+            self.shared.sync_grads()
         experts = [p.grad for p in params if getattr(p, "expert_parallel", False)]
         # Buckets of the plan's reduce_bucket_size (the parameters / gradient_aggregation_group), so the flat
         # copy is one bucket, not all the gradients
@@ -225,8 +234,13 @@ class PipelineEngine:
     def train_batch(self, batch: Mapping[str, Any]) -> Tensor:
         """One optimizer step on this dp rank's share of the global batch; returns the global-batch mean loss
         (detached, float32) on every rank."""
+        shifted = batch.get("shift_labels") is not None  # already shifted targets (S per row) win over labels
+        if shifted and self.mtp_depth:
+            raise ValueError("train_batch: batch['shift_labels'] with MTP (mtp_depth > 0) is not supported; "
+                             "pass HF-style batch['labels'] instead")
         ids, targets, kwargs = self._inputs(batch)
         self._follow_batch_shape(ids)
+        self._parts = []  # per loss_fn call: (LM loss, MTP depth sums); a first step's shape inference adds one
         for stage in self.stages:
             stage.submod.train()
         losses: list = []
@@ -238,11 +252,19 @@ class PipelineEngine:
         with inputs_agreed(self.layout, agreed):
             self.schedule.step(*args, target=target, losses=losses if self.holds_last else None,
                                return_outputs=False, **kwargs)
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for loss in losses:
-            total += loss.detach().float()
+        parts = self._parts[len(self._parts) - self.plan.micro_batch_num:] if self.holds_last else []
+        total = torch.zeros((), dtype=torch.float32, device=self.device)  # the LM part of the losses
+        for lm, _ in parts:
+            total += lm
         sum_over(self.layout, "dp_cp", total)
         sum_over(self.layout, "pp", total)  # only the last stage's ranks hold a loss
+        if self.mtp_depth:  # each depth's global token-mean cross-entropy, averaged over depths
+            sums = torch.zeros(self.mtp_depth, dtype=torch.float32, device=self.device)
+            for _, depth_sums in parts:
+                sums += depth_sums
+            for name in ("dp_cp", "pp"):
+                sum_over(self.layout, name, sums)
+            self.last_mtp_loss = float((sums / self._n_tokens[1:]).mean())
         self._log_aux_loss()
         check_finite_step(self.global_steps, loss=total)  # global values: the same verdict on every rank
         check_finite_step(self.global_steps, grad_norm=self._sync_and_clip())  # before the update
@@ -261,7 +283,11 @@ class PipelineEngine:
         """The HF-keyed full state dict (stages and tp shards gathered), on CPU; every rank must call."""
         from ..checkpoint.reshard import gather_full_state_dict
 
-        return gather_full_state_dict(self.model, self.layout, spec=self.spec, rank0_only=rank0_only)
+        full = gather_full_state_dict(self.model, self.layout, spec=self.spec, rank0_only=rank0_only)
+        for head, embed in (self.tied_names.items() if full is not None else ()):  # one tensor, as HF's state dict
+            if embed in full:
+                full[head] = full[embed]
+        return full
 
     def save_pretrained(self, save_dir: str, **hf_kwargs) -> None:
         """A normal HF checkpoint of the full model, written by global rank 0; every rank must call."""
@@ -304,6 +330,7 @@ def initialize_pipeline(model: nn.Module, layout: ParallelLayout, optimizer=None
     from ..config.rules import layers_per_stage
     from ..models import adapter_for
     from ..runtime import training_device
+    from ..models.mtp import add_mtp_layers
     from ..strategy import Options, applied_to, combine, parallelize_part
 
     plan = layout.plan
@@ -311,27 +338,48 @@ def initialize_pipeline(model: nn.Module, layout: ParallelLayout, optimizer=None
         raise ValueError("parallel_config.pipeline_stage > 1: pass msp.initialize the plain HF model (not one from "
                          "msp.parallelize / msp.from_pretrained); the pipeline engine splits and shards it itself")
     pp, vpp, pp_rank = layout.size("pp"), plan.pp_virtual_stages, layout.rank("pp")
+    options = Options.from_plan(plan)
+    depth = options.mtp_depth
+    if depth:  # the MTP layers (models.mtp) join the model before the cut: the last stage takes them
+        from ..strategy import check_mtp
+
+        check_mtp(layout, depth)
+        add_mtp_layers(model, depth)
     counts = plan.layers_per_stage
     if counts is None:  # the YAML gives no num_layers: the model's count with the YAML's offsets
-        n = adapter_for(model).layer_count(model)
+        n = adapter_for(model).layer_count(model) - depth
         counts = layers_per_stage(n, pp, vpp, plan.config.model.offset)
         if sum(map(sum, counts)) != n or min(map(min, counts)) < 1:
             raise ValueError(f"model.model_config.offset={plan.config.model.offset!r} does not split the model's {n} "
                              f"layers over pipeline_stage={pp} x pp_interleave_num={vpp} (layers per stage "
                              f"{counts}); set model.model_config.num_layers: {n} to get the full offset checks")
+    if depth and plan.config.use_legacy:  # legacy MindFormers counts the MTP layers in the last stage's share
+        counts = without_mtp(counts, pp, vpp, plan.pp_schedule, depth)
     if plan.config.model.compute_dtype not in ("float32", None) and layout.device_type != "cuda":
         warnings.warn(f"model.model_config.compute_dtype={plan.config.model.compute_dtype}: the pipeline engine "
                       "runs the model in its own dtype (float32 on CPU)", stacklevel=3)
     # split first, then the one parallelize path on every chunk (TP/SP/vocab, cp, recompute, interleave)
-    options, records = Options.from_plan(plan), []
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    modules_ = {id(m): n for n, m in model.named_modules()}  # the HF names of the embedding's and head's weights
+    embed_name = modules_[id(model.get_input_embeddings())] + ".weight"
+    head_name = modules_[id(model.get_output_embeddings())] + ".weight" if tied else None
+    records, stage_options = [], dataclasses.replace(options, mtp_depth=0)  # stages: MTP set up below
     modules, view, stage_ids = split_model(model, counts, pp_rank, plan.pp_schedule, prepare=lambda stage, chunk: (
-        records.append(parallelize_part(stage, layout, options, stage=pp_rank, chunk=chunk))))
+        records.append(parallelize_part(stage, layout, stage_options, stage=pp_rank, chunk=chunk))), mtp=depth)
     _drop_other_modules(model, view)
     for record in records:  # the routers' aux loss: averaged over micro-batches (grads are summed over dp x cp)
         if record.aux_loss is not None:
             record.aux_loss.scale = 1.0 / plan.micro_batch_num
     device = training_device(layout)
     view.to(device)
+    shared = None
+    if tied or depth:  # the word embedding on the first and the last stage (pipeline.shared)
+        from .shared import share_embedding
+
+        shared = share_embedding(modules, layout, vpp, plan.pp_schedule, embed_name=embed_name,
+                                 head_name=head_name, mtp=bool(depth))
+    if depth:
+        install_mtp(modules, layout, options)
     engine_box: list = []
 
     def loss_fn(logits, targets):
@@ -348,5 +396,7 @@ def initialize_pipeline(model: nn.Module, layout: ParallelLayout, optimizer=None
         sched = lr_scheduler if hasattr(lr_scheduler, "step") else lr_scheduler(opt)
     engine = PipelineEngine(model, view, stages, schedule, stage_ids, layout, plan, opt, sched, device,
                             combine(records), records)
+    engine.shared, engine.tied_names = shared, ({head_name: embed_name} if tied else {})
+    engine.mtp_depth, engine.mtp_scale = depth, options.mtp_scale
     engine_box.append(engine)
     return engine

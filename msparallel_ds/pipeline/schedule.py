@@ -22,7 +22,7 @@ from torch import nn
 if TYPE_CHECKING:
     from ..distributed.layout import ParallelLayout
 
-__all__ = ["SCHEDULES", "build_schedule"]
+__all__ = ["SCHEDULES", "build_schedule", "reset_stage_shapes"]
 
 
 def _classes() -> dict:
@@ -49,3 +49,27 @@ def build_schedule(name: str, modules: list[nn.Module], stage_ids: list[int], n_
     if len(stages) == 1 and name in ("1f1b", "gpipe"):
         return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False), stages
     return cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False), stages
+
+
+_INIT_FLAGS = ("_stages_forward_initialized", "_stages_backward_initialized", "_stage_forward_initialized",
+               "_stage_backward_initialized", "_stages_initialized", "_stage_initialized")
+
+
+def reset_stage_shapes(schedule, stages, old: tuple, new: tuple) -> None:
+    """Make the schedule infer its stages' input/output shapes (and P2P buffers) again at the next step. Every rank
+    of the pp group sees the same batch shape, so all of them re-run the (collective) shape inference together."""
+    flags = [f for f in _INIT_FLAGS if hasattr(schedule, f)]
+    if not flags:  # a torch whose schedules keep their shapes elsewhere: refuse before any collective
+        raise ValueError(f"pipeline_stage > 1: the batch shape changed from {old} to {new}, and this torch "
+                         f"({torch.__version__}) pipelining schedule cannot re-infer its stage buffer shapes; pad "
+                         f"every batch to one sequence length (e.g. {old[1]} = model.model_config.seq_length)")
+    for flag in flags:
+        setattr(schedule, flag, False)
+    for stage in stages:
+        stage.clear_runtime_states()
+        stage.args_recv_info.clear()
+        stage.grad_recv_info.clear()
+        stage.grad_send_info = None
+        for attr in ("inputs_meta", "_outputs_meta"):  # torch < 2.9 keeps the inferred shapes here
+            if hasattr(stage, attr):
+                setattr(stage, attr, None)

@@ -42,21 +42,18 @@ def layer_ranges(counts: list[list[int]], schedule: str | None) -> list[range]:
 
 
 def split_model(model: nn.Module, counts: list[list[int]], pp_rank: int, schedule: str | None,
-                prepare: Optional[Callable[[nn.Module, int], None]] = None
+                prepare: Optional[Callable[[nn.Module, int], None]] = None, mtp: int = 0
                 ) -> tuple[list[nn.Module], nn.Module, list[int]]:
     """This pp rank's stages of `model`, a view holding all its modules under HF names (for state dicts and the
     optimizer), and the global stage indices. `prepare(stage, chunk)` runs on each stage before the view is built
-    (the engine parallelizes them there). `model` itself (and the other ranks' layers) is no longer referenced."""
+    (the engine parallelizes them there). `model` itself (and the other ranks' layers) is no longer referenced.
+    `mtp`: the model's MTP layers (after its decoder layers) go to the last stage with a copy of the embedding;
+    a tied head or MTP embedding is joined across stages afterwards (pipeline.shared)."""
     from ..models import adapter_for
 
     adapter = adapter_for(model)
-    if getattr(model.config, "tie_word_embeddings", False):
-        raise ValueError("tie_word_embeddings=true with parallel_config.pipeline_stage > 1: the embedding (first "
-                         "stage) and the output head (last stage) would need a cross-stage gradient sum, which is not "
-                         "implemented; untie them (model.config.tie_word_embeddings=False and a separate output head) "
-                         "or use pipeline_stage: 1")
     vpp, pp = len(counts), len(counts[0])
-    n_layers = adapter.layer_count(model)
+    n_layers = adapter.layer_count(model) - mtp
     if sum(map(sum, counts)) != n_layers:
         raise ValueError(f"model.model_config.num_layers: the YAML's layer split {counts} covers "
                          f"{sum(map(sum, counts))} layers but the model has {n_layers}; set num_layers: {n_layers} "
@@ -64,7 +61,8 @@ def split_model(model: nn.Module, counts: list[list[int]], pp_rank: int, schedul
     ranges = layer_ranges(counts, schedule)
     ids = stage_chunks(pp, vpp, pp_rank, schedule)
     last = pp * vpp - 1
-    stages = [adapter.make_stage(model, ranges[s], first=s == 0, last=s == last) for s in ids]
+    extra = {"mtp": mtp} if mtp else {}
+    stages = [adapter.make_stage(model, ranges[s], first=s == 0, last=s == last, **extra) for s in ids]
     for chunk, stage in enumerate(stages):
         if prepare is not None:
             prepare(stage, chunk)
