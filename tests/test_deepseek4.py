@@ -186,3 +186,46 @@ def test_scaled_deepseek4_configs_train_like_one_process():
             WORST[name] = max(WORST.get(name, 0.0), err)
             assert err <= 2e-5, (name, k, err)  # measured 9.9e-6 (flash), 6.7e-6 (pro): Adam on near-zero grads
         print(name, "losses", r["losses"], "worst weight error", WORST[name])
+
+
+class _Layout:
+    """The two sizes check_options reads."""
+
+    def __init__(self, cp=1):
+        self.cp = cp
+
+    def size(self, name):
+        return self.cp if name == "cp" else 1
+
+
+def test_unsupported_combinations_name_their_key(capsys):
+    """tp, pp, cp, MTP, multi-copy and MindFormers weight names: one clear error each, naming the YAML key; the wheel
+    configs as written plan at their own world size and refuse 64 ranks naming training.global_batch_size (MindFormers
+    2.1: 8 or 16 samples cannot split over data_parallel 64; test_pynative_config.py plans them with a larger one)."""
+    from msparallel_ds.cli import main
+    from msparallel_ds.models import adapter_for
+    from msparallel_ds.strategy import Interleave, Options
+
+    model = v4_model()
+    adapter = adapter_for(model)
+    assert type(adapter).__name__ == "DeepseekV4Family" and adapter.moe_layers(model.config) == [0, 1, 2, 3]
+    routers = [model.get_submodule(f"model.layers.{i}.mlp.gate") for i in range(4)]
+    assert [adapter.fixed_routing(r) for r in routers] == [True, False, False, False]
+    assert adapter.expert_bias_of(routers[0]) is None and adapter.expert_bias_of(routers[1]) is not None
+    cases = [(lambda: adapter.tp_plan(model.config, 2), "parallel_config.model_parallel (parallelism.tensor_parallel)"),
+             (lambda: adapter.make_stage(model, [0, 1], first=True, last=False), "parallelism.pipeline_parallel"),
+             (lambda: adapter.check_options(_Layout(cp=2), Options()), "parallelism.context_parallel"),
+             (lambda: adapter.check_options(_Layout(), Options(mtp_depth=1)), "model.num_nextn_predict_layers"),
+             (lambda: adapter.check_options(_Layout(), Options(interleave=Interleave(copies=2))),
+              "micro_batch_interleave_num"),
+             (lambda: adapter.mindformers_weights(model.config, legacy=False), "models/deepseek4/utils.py")]
+    for call, key in cases:
+        with pytest.raises(ValueError) as ei:
+            call()
+        assert key in str(ei.value) and "DeepSeek-V4" in str(ei.value), str(ei.value)
+    for name in V4:
+        assert main(["plan", str(FIXTURES / name), "--world-size", "64"]) != 0
+        assert "training.global_batch_size" in capsys.readouterr().err
+        world = 16 if name == V4[3] else 8
+        assert main(["plan", str(FIXTURES / name), "--world-size", str(world), "--format", "json"]) == 0
+        assert '"expert_parallel": 8' in capsys.readouterr().out
