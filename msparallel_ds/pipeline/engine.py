@@ -160,6 +160,8 @@ class PipelineEngine:
                 inputs["position_ids"] = torch.arange(s, device=self.device).unsqueeze(0).expand(ids.shape[0], s)
         kwargs = {k: v.expand(ids.shape[0], -1).contiguous() if k == "position_ids" else v
                   for k, v in inputs.items() if k in ("position_ids", "doc_ids")}
+        if getattr(self.applied.adapter, "stage_token_ids", False):  # DeepSeek-V4's hash routers read the ids
+            kwargs["token_ids"] = inputs["input_ids"]
         return inputs["input_ids"], targets, kwargs
 
     # ------------------------------------------------------------------------------------------ step
