@@ -149,6 +149,8 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
     hf_recompute = recompute_on and options.recompute.mode == "full"  # whole layers: HF's own checkpointing
     adapter = _adapter(part, needed=tp > 1 or ep > 1 or (recompute_on and not hf_recompute) or interleave_on
                        or bool(options.activation_offload))
+    if adapter is not None and hasattr(adapter, "check_options"):
+        adapter.check_options(layout, options)  # what the family refuses, before anything is sharded
     if options.mtp_depth:
         _add_mtp(part, layout, options.mtp_depth)
     names = [n for n, _ in part.named_parameters(remove_duplicate=False)]

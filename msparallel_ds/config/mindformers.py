@@ -193,6 +193,8 @@ def _normalize(raw: Mapping, issues: list[ConfigIssue], spelled: dict[str, str])
         if raw.get("training") is not None:
             apply_training(_section(raw, "training", issues), out)
         out.setdefault("use_legacy", False)  # pynative models: MTP sits after the decoder layers, outside the split
+        if raw.get("lr_scheduler") is not None and raw.get("lr_schedule") is None:  # 2.1 pynative's name for it
+            out["lr_schedule"] = _section(raw, "lr_scheduler", issues)
         if raw.get("recompute") is not None and not out["recompute_config"]:
             apply_recompute(_section(raw, "recompute", issues), out, issues)
     apply_mode_resets(out, issues, raw.get("run_mode"))

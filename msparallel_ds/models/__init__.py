@@ -13,18 +13,19 @@ from torch import nn
 
 from .base import DecoderAdapter, InterleavedLayers, LayerParts
 from .deepseek import DeepseekV3Family
+from .deepseek4 import DeepseekV4Family
 from .glm import Glm4MoeFamily, GlmFamily
 from .gpt2 import Gpt2Family
 from .llama import LlamaFamily
 from .moe import MoEFamily
 from .stage import StageModule
 
-__all__ = ["ADAPTERS", "DecoderAdapter", "DeepseekV3Family", "Glm4MoeFamily", "GlmFamily", "Gpt2Family",
+__all__ = ["ADAPTERS", "DecoderAdapter", "DeepseekV3Family", "DeepseekV4Family", "Glm4MoeFamily", "GlmFamily", "Gpt2Family",
            "InterleavedLayers", "LayerParts", "MoEFamily", "StageModule", "SUPPORTED_ARCHITECTURES", "adapter_for",
            "adapter_for_config", "family_name", "unsupported_advice"]
 
-ADAPTERS: tuple[DecoderAdapter, ...] = (LlamaFamily(), MoEFamily(), DeepseekV3Family(), GlmFamily(),
-                                          Glm4MoeFamily(), Gpt2Family())
+ADAPTERS: tuple[DecoderAdapter, ...] = (LlamaFamily(), MoEFamily(), DeepseekV3Family(), DeepseekV4Family(),
+                                          GlmFamily(), Glm4MoeFamily(), Gpt2Family())
 SUPPORTED_ARCHITECTURES = tuple(a for adapter in ADAPTERS for a in adapter.architectures)
 
 

@@ -71,7 +71,7 @@ def apply_ep(part: nn.Module, layout: ParallelLayout, adapter: Optional[DecoderA
     if aux and (aux.get("coeff") or aux.get("z_coeff")):
         config = part.config
         aux_loss = AuxLoss(layout, adapter.num_experts(config), config.num_experts_per_tok,
-                           score=getattr(adapter, "router_score", "softmax"), **aux)
+                           score=getattr(adapter, "router_score", "softmax"), **getattr(adapter, "aux_rule", {}), **aux)
         install_aux_loss(part, adapter, aux_loss)
     return (plan if ep > 1 else {}), aux_loss
 

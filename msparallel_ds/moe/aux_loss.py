@@ -99,7 +99,10 @@ class AuxLoss:
     z_coeff: float = 0.0
     scale: float = 1.0
     routers: int = 0  # MoE layers hooked (install_aux_loss)
-    score: str = "softmax"  # the router's score function: "softmax" | "sigmoid"
+    score: str = "softmax"  # the router's score function: "softmax" | "sigmoid" | "sqrtsoftplus"
+    choice: str = "routed"  # f counts "routed" (the router's top-k) | "scores" (top-k of the normalised scores:
+    # MindFormers 2.1 pynative moe_utils.compute_routing_scores_for_aux_loss, also on hash-routed layers)
+    per_sequence: bool = False  # P and f per sequence (row), the mean over rows (2.1 pynative _apply_seq_aux_loss)
     forwards_per_step: int = 1  # trained forwards per router and optimizer step (gbs_aux_loss's f accumulates)
 
     def __post_init__(self):
@@ -140,28 +143,41 @@ class AuxLoss:
             n *= self.layout.size(name)
         return t / n
 
-    def term(self, logits: Tensor, top_k_index: Tensor, key: int = 0) -> Tensor:
+    def _scores(self, logits: Tensor) -> Tensor:
+        """Per-token probabilities over the experts: softmax, or the sigmoid / sqrt(softplus) scores normalised."""
+        if self.score == "softmax":
+            return torch.softmax(logits, dim=-1)
+        scores = torch.sigmoid(logits) if self.score == "sigmoid" else torch.sqrt(nn.functional.softplus(logits))
+        return scores / (scores.sum(-1, keepdim=True) + 1e-20)
+
+    def term(self, logits: Tensor, top_k_index: Tensor, key: int = 0, rows: int = 1) -> Tensor:
         """This shard's share of the layer's aux + z loss (the shares of all shards sum to the layer's loss) for the
-        router `key` (its id: gbs_aux_loss accumulates per router)."""
+        router `key` (its id: gbs_aux_loss accumulates per router); `rows`: the sequences the tokens belong to (row-
+        major), read with per_sequence."""
         lay = self.layout
         shards = lay.size("dp_cp") * lay.size("tp")
         total = logits.new_zeros((), dtype=torch.float32)
         logits = logits.reshape(-1, logits.shape[-1]).float()
         if self.coeff:
-            if self.score == "sigmoid":
-                scores = torch.sigmoid(logits)
-                probs = (scores / (scores.sum(-1, keepdim=True) + 1e-20)).mean(0)
-            else:
-                probs = torch.softmax(logits, dim=-1).mean(0)
+            rows = rows if self.per_sequence and self.scope == "sequence" else 1
+            scores = self._scores(logits)
+            probs = scores.view(rows, -1, scores.shape[-1]).mean(1)
+            probs = probs[0] if rows == 1 else probs
             with torch.no_grad():
-                f = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts)[: self.num_experts].float()
-                f /= max(top_k_index.numel(), 1)
+                if self.choice == "scores":
+                    top_k_index = torch.topk(scores, self.top_k, dim=-1).indices
+                index = top_k_index.reshape(rows, -1)
+                row = torch.arange(rows, device=index.device)[:, None].expand_as(index)
+                kept = index < self.num_experts  # a dropped choice (capacity sentinel E) counts for no expert
+                f = torch.bincount((index + row * self.num_experts)[kept], minlength=rows * self.num_experts).float()
+                f = f.view(rows, self.num_experts) / max(index.shape[1], 1)
+                f = f[0] if rows == 1 else f
                 if self.scope == "sequence":
                     f = self._mean_over(f, ("tp",))
                 elif self.scope == "global_batch" and not _recomputing():
                     f = self._accumulate(key, self._mean_over(f, ("dp_cp", "tp")))
                 # (recomputing: f is a placeholder, the first forward's stays on its _WeightedSum node)
-            total = total + self.coeff * self.num_experts * _WeightedSum.apply(probs, f) / shards
+            total = total + self.coeff * self.num_experts * _WeightedSum.apply(probs, f) / (shards * rows)
         if self.z_coeff:
             total = total + self.z_coeff * torch.logsumexp(logits, dim=-1).square().mean() / shards
         return total
@@ -171,7 +187,9 @@ class AuxLoss:
         if not trained_forward(router, output):
             return output
         logits, weights, index = output
-        term = self.term(logits, index, id(router))
+        hidden = args[0] if args else None
+        rows = hidden.shape[0] if hidden is not None and hidden.dim() == 3 else 1
+        term = self.term(logits, index, id(router), rows)
         return logits, AuxLossScaler.apply(weights, term, self.scale, self.values), index
 
     def pop_total(self, last: Optional[int] = None) -> Tensor:

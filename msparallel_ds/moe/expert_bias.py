@@ -96,6 +96,8 @@ def install_expert_bias(part: nn.Module, adapter, layout: ParallelLayout, rate: 
         if router is None:
             continue
         bias = adapter.expert_bias_of(router)
+        if bias is None and getattr(adapter, "fixed_routing", lambda r: False)(router):
+            continue  # a hash router (DeepSeek-V4): its experts are fixed, a bias would choose nothing
         if bias is None:
             raise ValueError(f"the YAML enables the router expert bias (moe_router_enable_expert_bias / "
                              f"balance_via_topk_bias) but {type(part).__name__}'s router ({type(router).__name__}) "

@@ -15,8 +15,8 @@ run the float32 iteration the MindSpore fixture needs. The iteration below is th
 
 Every matrix must be whole at step time. DeepSpeed's ZeRO hands the optimizer flat partitions (and its own ZeRO Muon
 computes DeepSpeed's update, not this one), so optimizer parallel level1/2 runs as torch's ZeroRedundancyOptimizer
-over dp x cp (zero_for_muon: each rank steps whole parameters, then broadcasts them; DeepSpeed at stage 0; level2/3
-warn and run so), offload and tensor parallel (sharded matrices) are refused (check_muon_layout before any weights exist,
+over dp x cp, experts over edp (zero_for_muon: each rank steps whole parameters, then broadcasts them; DeepSpeed at
+stage 0; level2/3 warn and run so), offload and tensor parallel (sharded matrices) are refused (check_muon_layout before any weights exist,
 check_whole_matrices after DeepSpeed).
 """
 from __future__ import annotations
@@ -189,18 +189,16 @@ def check_whole_matrices(optimizer: torch.optim.Optimizer) -> None:
 
 
 def zero_for_muon(opt: torch.optim.Optimizer, layout, ds_config: dict) -> torch.optim.Optimizer:
-    """Muon under optimizer parallel (any level): ZeroRedundancyOptimizer over dp x cp instead of DeepSpeed's ZeRO
-    (whose flat partitions Newton-Schulz cannot use); `ds_config` is set to stage 0 in place."""
+    """Muon under optimizer parallel (any level): ZeroRedundancyOptimizer over whole parameters instead of DeepSpeed's
+    ZeRO (whose flat partitions Newton-Schulz cannot use); `ds_config` is set to stage 0 in place. Dense parameters
+    are sharded over dp x cp; with expert parallel the experts (the same only on their expert-data-parallel ranks)
+    get their own ZeRO over edp (pipeline.zero.SplitZero), as DeepSpeed shards expert groups."""
     zero = ds_config.get("zero_optimization") or {}
     if not isinstance(opt, Muon) or not zero.get("stage"):
         return opt
-    if layout.size("ep") > 1:
-        raise ValueError(
-            f"optimizer.type=Muon with parallel.enable_parallel_optimizer=True and parallel_config.expert_parallel="
-            f"{layout.size('ep')}: Muon's optimizer parallel (whole parameters over data_parallel x context_parallel) "
-            "would overwrite experts, which differ across those ranks; set parallel.enable_parallel_optimizer: False")
     ds_config["zero_optimization"] = {"stage": 0}
-    if layout.size("dp_cp") == 1:
+    experts = layout.size("ep") > 1
+    if layout.size("dp_cp") == 1 and not experts:
         return opt
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -208,7 +206,22 @@ def zero_for_muon(opt: torch.optim.Optimizer, layout, ds_config: dict) -> torch.
     kwargs = dict(lr=d["lr"], weight_decay=d["weight_decay"], matched_adamw_rms=d["matched_adamw_rms"],
                   momentum=d["momentum"], nesterov=d["nesterov"], adamw_betas=d["betas"], adamw_eps=d["eps"],
                   ns_dtype=opt.ns_dtype)
-    zero_opt = ZeroRedundancyOptimizer(opt.param_groups, optimizer_class=Muon, process_group=layout.group("dp_cp"),
-                                       **kwargs)
+
+    def sharded(groups: list[dict], dim: str) -> torch.optim.Optimizer:
+        groups = [g for g in groups if g["params"]]
+        if layout.size(dim) == 1:
+            return Muon(groups, **kwargs)
+        return ZeroRedundancyOptimizer(groups, optimizer_class=Muon, process_group=layout.group(dim), **kwargs)
+
+    if experts:
+        from ..pipeline.zero import SplitZero
+
+        def part(expert: bool) -> list[dict]:
+            return [{**g, "params": [p for p in g["params"] if getattr(p, "expert_parallel", False) == expert]}
+                    for g in opt.param_groups]
+
+        zero_opt = SplitZero(sharded(part(False), "dp_cp"), sharded(part(True), "edp"))
+    else:
+        zero_opt = sharded(opt.param_groups, "dp_cp")
     zero_opt.mindformers_type = getattr(opt, "mindformers_type", "Muon")
     return zero_opt

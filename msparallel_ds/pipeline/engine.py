@@ -176,6 +176,8 @@ class PipelineEngine:
                                               self.layout, self.mtp_depth)
             kwargs["mtp_ids"] = torch.stack(mtp_ids, 1)
             targets = torch.stack([targets, *mtp_targets], 1)
+        if getattr(self.applied.adapter, "stage_token_ids", False):  # DeepSeek-V4's hash routers read the ids
+            kwargs["token_ids"] = inputs["input_ids"]
         return inputs["input_ids"], targets, kwargs
 
     # ------------------------------------------------------------------------------------------ step
