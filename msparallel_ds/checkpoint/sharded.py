@@ -121,10 +121,14 @@ def _nonfinite(sd: dict) -> list[str]:
 
 
 def save_sharded(engine, save_dir: str, records: Iterable, *, optimizer_step: float, model,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, replicas: int = 0) -> None:
     """Every rank calls. `records` yields (HF name, Shard, {key: this rank's chunk}) for the chunks this rank writes
     (collectives inside run in the same order on every rank). Returns when written, or with `async_save` once the
-    chunks are staged on CPU (the writing, checksums and manifest go on in a thread)."""
+    chunks are staged on CPU (the writing, checksums and manifest go on in a thread). `replicas=1`: each rank's
+    files are also written by a data-parallel peer (checkpoint.replicas)."""
+    from .replicas import check_replicas
+
+    replicas = check_replicas(replicas, engine.layout)
     wait_pending()
     layout, group = engine.layout, _group(engine.layout)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -174,6 +178,10 @@ def save_sharded(engine, save_dir: str, records: Iterable, *, optimizer_step: fl
             save(sd, storage_writer=FileSystemWriter(data), process_group=group)
             sd.clear()  # the staged chunks are on disk
             crcs = _chunk_crcs(data, rank)
+            if replicas:
+                from .replicas import mirror_files
+
+                mirror_files(data, rank, layout, group, progress)
         except Exception as e:  # DCP raises on every rank when any rank's write failed
             message, crcs = _save_failure(e, data), None
         parts: list = [None] * world
@@ -257,6 +265,13 @@ def open_sharded(engine, load_dir: str, wanted: list, model, *, subset: bool = F
     wait_pending()
     layout, group = engine.layout, _group(engine.layout)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+
+    def restore():  # a lost node's files, from its data-parallel peers' copies (checkpoint.replicas)
+        from .replicas import restore_missing
+
+        return restore_missing(os.path.join(load_dir, read_manifest(load_dir)["data"]), load_dir) if rank == 0 else []
+
+    agreed(restore, f"engine.load({load_dir!r})")
 
     def check():
         man = read_manifest(load_dir)
