@@ -1,7 +1,8 @@
 """Fault recovery from data-parallel replicas (checkpoint.replicas): engine.save(dir, replicas=1) on dp2 x tp2 + SP
 (ZeRO-1, 4 gloo processes) also writes each rank's files on its data-parallel peer; deleting a whole node's files
 (ranks 0 and 1: the tp pair, with global rank 0's metadata and progress) and restarting resumes from the peers'
-copies with the uninterrupted run's losses. Losing a rank and its peer is a clear error that loads nothing."""
+copies with the uninterrupted run's losses. Losing a rank and its peer is a clear error that loads nothing.
+`msparallel-ds plan`'s save report (checkpoint.save_plan) gives each rank the tensor bytes that save wrote."""
 import os
 import shutil
 
@@ -88,8 +89,37 @@ def _run(rank, world, root):
     return out
 
 
+def _written_per_rank(folder):
+    """Tensor bytes in each rank's DCP file, from DCP's own metadata."""
+    import math
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(_data(folder)).read_metadata()
+    out = {}
+    for index, info in md.storage_data.items():
+        rank = int(info.relative_path.split("_")[2])
+        chunk = next(c for c in md.state_dict_metadata[index.fqn].chunks if tuple(c.offsets) == tuple(index.offset))
+        out[rank] = out.get(rank, 0) + 4 * math.prod(chunk.sizes)
+    return [out[r] for r in sorted(out)]
+
+
+def _plan_report():
+    import msparallel_ds as msp
+    from msparallel_ds.checkpoint.save_plan import format_save_report, save_report
+
+    raw = tiny_config(dp=2, tp=2, sp=True, vocab_dp=False, bs=2)
+    raw["model"]["model_config"]["ffn_hidden_size"] = 128  # tiny_model's intermediate_size
+    plan = msp.make_plan(msp.load_config(raw), world_size=4)
+    report = save_report(plan)
+    return report, format_save_report(plan, report)
+
+
 def test_lost_node_resumes_from_data_parallel_peers(tmp_path):
     res = run_distributed(_run, 4, str(tmp_path), timeout=240)
+    report, text = _plan_report()  # the plan's save report: the bytes each rank wrote, from the same writer rule
+    assert [r["weights"] + r["optimizer"] for r in report["ranks"]] == _written_per_rank(str(tmp_path / "async"))
+    assert report["total"] == sum(_written_per_rank(str(tmp_path / "async"))) and "largest file" in text
     full = res[0]["full"]
     own, mirror = res[0]["sizes"]
     assert own > 0 and mirror == own, (own, mirror)  # every byte twice, no more

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from .folder import MANIFEST, acquire_lock, release_lock, remove_superseded, sweep_stale_temps
 from .format import CheckpointSaveError, _save_failure, agreed, atomic_write, check_model_config, check_names
+from .writers import writes
 
 __all__ = ["DCP_FORMAT", "LOAD_BUCKET_BYTES", "load_sharded", "open_sharded", "read_manifest", "save_sharded",
            "wait_pending", "write_whole", "writes"]
@@ -42,17 +43,6 @@ DCP_FORMAT = "msparallel_ds.dcp/1"
 PROGRESS = "progress.pt"
 LOAD_BUCKET_BYTES = 256 << 20
 _PENDING: list = []  # [(thread, box)] of the save in flight in this process
-
-
-def writes(layout, shard, index: int, owner: Optional[int] = None) -> bool:
-    """Whether this rank writes parameter #index's chunk: one replica per chunk (`owner`: the dp x cp rank that
-    must, e.g. ZeRO-1's optimizer-state owner)."""
-    if shard.is_split and layout.size(shard.group) > 1:
-        group = "edp" if shard.group == "ep" else "dp_cp"
-        return layout.rank(group) == (index % layout.size(group) if owner is None else owner)
-    dp, tp = layout.size("dp_cp"), layout.size("tp")
-    slot = index % (dp * tp)
-    return layout.rank("dp_cp") == (slot // tp if owner is None else owner) and layout.rank("tp") == slot % tp
 
 
 def _group(layout):
