@@ -52,9 +52,10 @@ def _sharded_records(engine, base, zero, keys):
             yield name, shard, {"fp32": p.detach().float(), **{k: state[k] for k in keys if k in state}}
 
 
-def save_pipeline_checkpoint(engine, save_dir: str, *, sharded: bool = False, async_save: bool = False,
+def save_pipeline_checkpoint(engine, save_dir: str, *, sharded: bool = True, async_save: bool = False,
                              replicas: int = 0) -> None:
-    """Every rank calls; global rank 0 writes save_dir/FILE, or (sharded) every rank its chunks (checkpoint.sharded)."""
+    """Every rank calls; every rank writes its chunks (checkpoint.sharded), or (sharded=False) global rank 0 writes
+    save_dir/FILE."""
     layout, opt, spec = engine.layout, engine.optimizer, engine.spec
     if sharded or async_save or replicas:
         from .sharded import save_sharded

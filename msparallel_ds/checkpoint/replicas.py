@@ -29,7 +29,7 @@ import torch.distributed as dist
 __all__ = ["MIRROR", "MIRROR_BLOCK", "check_replicas", "mirror_files", "peers", "restore_missing"]
 
 MIRROR = "mirror"
-MIRROR_BLOCK = 64 << 20
+MIRROR_BLOCK = 16 << 20
 
 
 def check_replicas(replicas, layout) -> int:
@@ -82,21 +82,24 @@ def mirror_files(data: str, rank: int, layout, group, progress: dict) -> None:
 
     sends, recvs = blocks(json.loads(header.decode())), blocks(incoming)
     handles: dict = {}
+    buf = torch.empty(MIRROR_BLOCK, dtype=torch.uint8)  # read straight into one block, written straight from one
     try:
         for i in range(max(len(sends), len(recvs))):
-            block = torch.empty(0, dtype=torch.uint8)
+            block = buf[:0]
             if i < len(sends):
                 name, off, n = sends[i]
+                block = buf[:n]
                 with open(os.path.join(data, name), "rb") as f:
                     f.seek(off)
-                    block = torch.frombuffer(bytearray(f.read(n)), dtype=torch.uint8)
+                    if f.readinto(memoryview(block.numpy())) != n:
+                        raise OSError(f"{name} changed while its copy was sent")
             n_in = recvs[i][2] if i < len(recvs) else 0
             got = _exchange(block, dst, src, n_in, group)
             if got is not None:
                 name = recvs[i][0]
                 if name not in handles:
                     handles[name] = open(os.path.join(out, name + ".partial"), "wb")
-                handles[name].write(got.numpy().tobytes())
+                handles[name].write(memoryview(got.numpy()))
         for name, f in handles.items():
             f.close()
             os.replace(os.path.join(out, name + ".partial"), os.path.join(out, name))

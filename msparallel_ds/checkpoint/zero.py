@@ -96,9 +96,10 @@ def _optimizer_step(opt) -> float:
     return float(max(steps)) if steps else 0.0
 
 
-def save_checkpoint(engine, save_dir: str, *, sharded: bool = False, async_save: bool = False,
+def save_checkpoint(engine, save_dir: str, *, sharded: bool = True, async_save: bool = False,
                     replicas: int = 0) -> None:
-    """Every rank calls; global rank 0 writes save_dir/FILE, or (sharded) every rank its chunks (checkpoint.sharded)."""
+    """Every rank calls; every rank writes its chunks (checkpoint.sharded), or (sharded=False) global rank 0 writes
+    save_dir/FILE."""
     stage, layout, spec = _check_stage(engine), engine.layout, engine.spec
     if sharded or async_save or replicas:
         from .sharded import save_sharded

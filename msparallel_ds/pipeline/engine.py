@@ -272,7 +272,7 @@ class PipelineEngine:
                              "not supported yet. Train with enable_parallel_optimizer: false to checkpoint, or use "
                              "engine.save_pretrained for the weights")
 
-    def save(self, save_dir: str, *, sharded: bool = False, async_save: bool = False, replicas: int = 0) -> None:
+    def save(self, save_dir: str, *, sharded: bool = True, async_save: bool = False, replicas: int = 0) -> None:
         """The layout-independent checkpoint of msparallel_ds.checkpoint (loads under any layout); sharded /
         async_save / replicas as engine.Engine.save."""
         self._check_checkpointable("save")
