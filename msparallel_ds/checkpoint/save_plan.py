@@ -1,7 +1,7 @@
 """What a sharded engine.save would write and hold on every rank, from a Plan alone (`msparallel-ds plan`).
 
-The rule is the save's own: the parameters of each pipeline stage, in the HF model's order (embed_tokens; per layer
-the attention projections, the feed-forward or the router, routed and shared experts, two norms; norm; lm_head),
+The rule is the save's own: the parameters of each pipeline stage, in the HF model's order (the embedding; per layer
+the attention projections, the feed-forward or the router, routed and shared experts, two norms; norm; the head),
 each with the Shard the tensor-parallel plan gives it (tp-split, vocab-split when vocab parallel, expert: whole
 experts on their ep rank, replicated), and the writer of each chunk chosen by checkpoint.sharded.writes (a chunk
 is written once over its data-parallel replicas; the pipeline engine's ZeRO-1 writes by the owner of the optimizer
@@ -67,13 +67,13 @@ def _layer(plan: "Plan", moe: bool) -> list[tuple[int, Optional[str]]]:
     s = plan.moe
     if moe:
         e, size = s.num_experts, s.expert_size(ffn)
-        mlp = [(h * size, _EP)] * (3 * (e // plan.expert_parallel))
-        mlp += [(e * h, None)] + ([(e, None)] if s.expert_bias else [])
+        ffn_part = [(h * size, _EP)] * (3 * (e // plan.expert_parallel))
+        ffn_part += [(e * h, None)] + ([(e, None)] if s.expert_bias else [])
         shared = s.shared_size(ffn)
-        mlp += [(h * shared, _TP)] * 3 if shared else []
+        ffn_part += [(h * shared, _TP)] * 3 if shared else []
     else:
-        mlp = [(h * ffn, _TP)] * 3
-    return attn + mlp + [(h, None), (h, None)]
+        ffn_part = [(h * ffn, _TP)] * 3
+    return attn + ffn_part + [(h, None), (h, None)]
 
 
 def _stage_tensors(plan: "Plan", stage: int) -> list[tuple[int, Optional[str]]]:
