@@ -9,9 +9,11 @@ weights + both Adam moments of every parameter), the bytes written, the largest 
 (layout, path) runs in fresh processes, so one path's freed memory cannot hide the other's. Async: the time until
 engine.save returns plus the wait at the end, against the sync sharded save's time; the share hidden behind
 `--steps` training steps is 1 - exposed / sync. Its growth column is until engine.save returns (the staged state);
-the row also holds the growth over save + steps + wait and over the same steps without a save.
+the row also holds the growth over save + steps + wait and over the same steps without a save. Replicas
+(engine.save(dir, replicas=1), checkpoint.replicas): its disk and save time over the sharded save's.
 
-    python benchmarks/checkpoint.py                     # writes results/checkpoint_cpu.json and prints the table
+    python benchmarks/checkpoint.py                     # writes results/checkpoint_cpu_20m.json and prints the table
+    python benchmarks/checkpoint.py --modes sharded,replicas --out benchmarks/results/checkpoint_cpu_20m_replicas.json
 """
 from __future__ import annotations
 
