@@ -9,9 +9,11 @@ weights + both Adam moments of every parameter), the bytes written, the largest 
 (layout, path) runs in fresh processes, so one path's freed memory cannot hide the other's. Async: the time until
 engine.save returns plus the wait at the end, against the sync sharded save's time; the share hidden behind
 `--steps` training steps is 1 - exposed / sync. Its growth column is until engine.save returns (the staged state);
-the row also holds the growth over save + steps + wait and over the same steps without a save.
+the row also holds the growth over save + steps + wait and over the same steps without a save. Replicas
+(engine.save(dir, replicas=1), checkpoint.replicas): its disk and save time over the sharded save's.
 
-    python benchmarks/checkpoint.py                     # writes results/checkpoint_cpu.json and prints the table
+    python benchmarks/checkpoint.py                     # writes results/checkpoint_cpu_20m.json and prints the table
+    python benchmarks/checkpoint.py --modes sharded,replicas --out benchmarks/results/checkpoint_cpu_20m_replicas.json
 """
 from __future__ import annotations
 
@@ -110,9 +112,9 @@ def bench(rank, world, size_name, layout_name, mode, folder, steps):
         f.write("5")  # reset VmHWM to the current RSS
     t = time.perf_counter()
     if mode == "old":
-        engine.save(folder)
+        engine.save(folder, sharded=False)
     else:
-        engine.save(folder, sharded=True, async_save=mode == "async")
+        engine.save(folder, sharded=True, async_save=mode == "async", replicas=int(mode == "replicas"))
     out["save_s"] = time.perf_counter() - t
     if mode == "async":
         out["staged_growth_bytes"] = _rss("VmHWM") - base
@@ -133,11 +135,14 @@ def _files(folder: str) -> list[int]:
     return [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs]
 
 
-def run(size: str, steps: int) -> list[dict]:
+MODES = ("old", "sharded", "async", "replicas")
+
+
+def run(size: str, steps: int, modes=MODES) -> list[dict]:
     rows = []
     for layout in LAYOUTS:
-        sync_s = None
-        for mode in ("old", "sharded", "async"):
+        sync_s = sync_mib = None
+        for mode in modes:
             folder = tempfile.mkdtemp(prefix=f"msp-ckpt-bench-{layout}-{mode}-")
             results, err, wall = run_ranks(bench, 4, (size, layout, mode, folder, steps), timeout=900,
                                            name="ckpt")
@@ -153,7 +158,9 @@ def run(size: str, steps: int) -> list[dict]:
                    "written_mib": sum(sizes) / MIB, "files": len(sizes), "largest_file_over_state": max(sizes) / state,
                    "save_s": max(r["save_s"] for r in results)}
             if mode == "sharded":
-                sync_s = row["save_s"]
+                sync_s, sync_mib = row["save_s"], row["written_mib"]
+            if mode == "replicas" and sync_s:  # the cost of the data-parallel copies, against the plain sharded save
+                row.update(disk_over_sharded=row["written_mib"] / sync_mib, time_over_sharded=row["save_s"] / sync_s)
             if mode == "async":
                 exposed = max(r["save_s"] + r["wait_s"] for r in results)
                 row.update(exposed_s=exposed, hidden_share=(1 - exposed / sync_s) if sync_s else None,
@@ -171,9 +178,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="20m")
     ap.add_argument("--steps", type=int, default=4, help="training steps run while an async save writes")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    rows = run(args.size, args.steps)
+    rows = run(args.size, args.steps, tuple(args.modes.split(",")))
     print(f"\n{'layout':12} {'mode':8} {'state MiB':>9} {'growth/state per rank':>30} {'written MiB':>11} "
           f"{'largest/state':>13} {'save s':>7}")
     for r in rows:
@@ -183,7 +191,9 @@ def main(argv=None) -> int:
         growth = " ".join(f"{g:.2f}" for g in r["growth_over_state"])
         print(f"{r['layout']:12} {r['mode']:8} {r['state_mib']:9.1f} {growth:>30} {r['written_mib']:11.1f} "
               f"{r['largest_file_over_state']:13.2f} {r['save_s']:7.2f}"
-              + (f"  exposed {r['exposed_s']:.2f} s, hidden {r['hidden_share']:.2f}" if "exposed_s" in r else ""))
+              + (f"  exposed {r['exposed_s']:.2f} s, hidden {r['hidden_share']:.2f}" if "exposed_s" in r else "")
+              + (f"  disk x{r['disk_over_sharded']:.2f}, time x{r['time_over_sharded']:.2f} of sharded"
+                 if "disk_over_sharded" in r else ""))
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"checkpoint_cpu_{args.size}.json"
     out.write_text(json.dumps({"host": platform.node(), "cpus": os.cpu_count(), "size": args.size, "rows": rows},
                               indent=1))

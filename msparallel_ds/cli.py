@@ -106,7 +106,13 @@ def _plan(path: str, world_size: Optional[int], device_memory_gib: Optional[floa
 
 def _cmd_plan(args) -> int:
     plan = _plan(args.file, args.world_size, args.device_memory)
-    print(plan.to_json() if args.format == "json" else plan.summary())
+    if args.format == "json":
+        print(plan.to_json())
+    else:
+        from .checkpoint.save_plan import format_save_report, save_report
+
+        print(plan.summary())
+        print(format_save_report(plan, save_report(plan)))
     if args.draw is None:
         return 0
     from .draw import draw_plan, require_matplotlib

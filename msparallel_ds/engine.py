@@ -257,14 +257,16 @@ class Engine:
         with self._zero3_gathered():
             save_pretrained(self.model, self.layout, save_dir, spec=self.spec, **hf_kwargs)
 
-    def save(self, save_dir: str, *, sharded: bool = False, async_save: bool = False) -> None:
+    def save(self, save_dir: str, *, sharded: bool = True, async_save: bool = False, replicas: int = 0) -> None:
         """A layout-independent checkpoint (weights, Adam moments, steps, lr scheduler): engine.load resumes it
-        under this or any other layout (see msparallel_ds.checkpoint). Every rank must call. sharded: every rank
-        writes only its chunks (torch.distributed.checkpoint) instead of one file on rank 0; async_save (sharded):
-        return once the state is staged, the files are written while training goes on."""
+        under this or any other layout (see msparallel_ds.checkpoint). Every rank must call. sharded (default): every
+        rank writes only its chunks (torch.distributed.checkpoint); sharded=False: the former single file
+        msp_universal.pt, gathered to global rank 0 (small models, tools that read it); async_save (sharded):
+        return once the state is staged, the files are written while training goes on; replicas=1 (sharded): each
+        rank's files are also written by a data-parallel peer, so a lost node's part loads from the copy."""
         from .checkpoint.zero import save_checkpoint
 
-        save_checkpoint(self, save_dir, sharded=sharded, async_save=async_save)
+        save_checkpoint(self, save_dir, sharded=sharded, async_save=async_save, replicas=replicas)
 
     def load(self, load_dir: str) -> dict:
         """Resume from engine.save(dir), written under any layout; the next steps equal the uninterrupted run's."""

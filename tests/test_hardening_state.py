@@ -126,7 +126,7 @@ def _one_process(rank, world, root):
     try:
         for batch in text_batches(6, engine.plan.global_batch_size, 64):
             engine.train_batch(dp_rows(batch, engine.layout))
-            engine.save(diverged)
+            engine.save(diverged, sharded=False)  # the single file's guards (sharded: test_checkpoint_sharded)
         out["diverged"] = "no error"
     except (FloatingPointError, fmt.CheckpointSaveError) as e:
         out["diverged"] = (type(e).__name__, str(e), engine.global_steps)
@@ -138,7 +138,7 @@ def _one_process(rank, world, root):
                             optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
     batch = text_batches(1, 4, 32)[0]
     engine.train_batch({k: v % 256 for k, v in batch.items()})
-    engine.save(good)
+    engine.save(good, sharded=False)
     engine.train_batch({k: v % 256 for k, v in batch.items()})  # now the engine differs from the file
     last = [n for n, _ in engine.model.named_parameters()][-1]
 
@@ -207,7 +207,7 @@ def _pipeline(rank, world, root):
                             optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
     out["losses"] = [engine.train_batch(_batch(s)).item() for s in (32, 16, 32)]  # dynamic padding
     ckpt = os.path.join(root, "pp")
-    engine.save(ckpt)
+    engine.save(ckpt, sharded=False)  # the single file's guards (sharded: test_checkpoint_sharded)
     if rank == 0:  # disk full on rank 0 only: every rank gets the error, none waits in a barrier
         open(_killed_save_temp(ckpt), "wb").write(b"x" * 100)
 
@@ -216,14 +216,14 @@ def _pipeline(rank, world, root):
         fmt.atomic_save, real = full, fmt.atomic_save
     t = time.monotonic()
     try:
-        engine.save(ckpt)
+        engine.save(ckpt, sharded=False)
         out["full"] = "saved"
     except fmt.CheckpointSaveError as e:
         out["full"] = str(e)
     out["full_s"] = time.monotonic() - t
     if rank == 0:
         fmt.atomic_save = real
-    engine.save(ckpt)  # a good save removes the stale temp file
+    engine.save(ckpt, sharded=False)  # a good save removes the stale temp file
     out["files"] = sorted(os.listdir(ckpt))
     with torch.no_grad():  # NaN weights on the first stage: the step stops, the save refuses, the file stays
         for p in engine.model.parameters():
@@ -234,7 +234,7 @@ def _pipeline(rank, world, root):
     except FloatingPointError as e:
         out["nan_step"] = str(e)
     try:
-        engine.save(ckpt)
+        engine.save(ckpt, sharded=False)
     except fmt.CheckpointSaveError as e:
         out["nan_save"] = str(e)
     ck = fmt.read_checkpoint_file(os.path.join(ckpt, fmt.FILE), fmt.FORMAT)

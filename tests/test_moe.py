@@ -118,9 +118,10 @@ def _checkpoint_and_hf(save_dir):
 
     first = msp.initialize(moe_model(), msp.load_config(moe_yaml(dp=4, zero=2, ep=4)), optimizer=_adamw)
     losses = [_step(first, s) for s in range(2)]
-    first.save(f"{save_dir}/ck")
+    first.save(f"{save_dir}/ck", sharded=False)  # convert-checkpoint's source, the single file
+    first.save(f"{save_dir}/dcp")  # engine.save's default: sharded
     other = msp.initialize(moe_model(), msp.load_config(moe_yaml(dp=4, zero=0, ep=2)), optimizer=_adamw)
-    other.load(f"{save_dir}/ck")
+    other.load(f"{save_dir}/dcp")
     resumed_other = _step(other, 2)
     tp_yaml = moe_yaml(dp=2, tp=2, sp=True, zero=1, ep=2, bs=2)
     if dist.get_rank() == 0:

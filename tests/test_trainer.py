@@ -137,7 +137,7 @@ def test_mindformers_trainer_logs_single_process_losses(name, tmp_path):
 
         ckpt = tmp_path / "run" / f"checkpoint-{SAVE_AT}"
         assert (ckpt / "model.safetensors").exists() and (ckpt / f"global_step{SAVE_AT}").is_dir(), list(ckpt.iterdir())
-        assert (ckpt / "msp_universal.pt").exists(), list(ckpt.iterdir())
+        assert (ckpt / "msp_checkpoint.json").exists(), list(ckpt.iterdir())  # engine.save's default: sharded
         saved = LlamaForCausalLM.from_pretrained(tmp_path / "run" / "final")
         ids = MaskedTextWindows(2)[1]["input_ids"][None]
         with torch.no_grad():

@@ -18,6 +18,8 @@ CheckpointMonitor keys:
   are deleted (a save in flight or a folder without its manifest is never deleted). None or 0 keeps all.
 - checkpoint_format (fmt): "ckpt" or "safetensors" (MindFormers' values): both save the sharded training state
   (DCP's .distcp files are its only sharded form); the merged export is safetensors either way.
+- replicas (msparallel_ds's key, not MindFormers'): 1 writes each rank's files also on a data-parallel peer
+  (checkpoint.replicas), so a lost node's part resumes from the copy; 0 (default) writes every chunk once.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ def step_folders(root: str, *, complete: bool = True) -> list[tuple[int, str]]:
 
 class CheckpointSaver:
     def __init__(self, engine, output_dir: str, save_steps: int, keep_max: Optional[int] = 5,
-                 integrated_save: bool = False, async_save: bool = False, fmt: str = "ckpt"):
+                 integrated_save: bool = False, async_save: bool = False, fmt: str = "ckpt", replicas: int = 0):
         key = "callbacks CheckpointMonitor"
         if isinstance(save_steps, bool) or not isinstance(save_steps, int) or save_steps < 1:
             raise ValueError(f"{key}.save_checkpoint_steps={save_steps!r} must be a positive integer (save every N "
@@ -63,6 +65,10 @@ class CheckpointSaver:
         self.engine, self.root = engine, os.path.join(output_dir, "checkpoint")
         self.save_steps, self.keep_max = save_steps, keep_max or None
         self.integrated_save, self.async_save, self.fmt = bool(integrated_save), bool(async_save), fmt
+        if isinstance(replicas, bool) or replicas not in (0, 1):
+            raise ValueError(f"{key}.replicas={replicas!r} must be 0 or 1 (1: each rank's checkpoint files also "
+                             "written by a data-parallel peer); set e.g. replicas: 1")
+        self.replicas = replicas
         self.saved: list[str] = []
 
     def folder(self, step: int) -> str:
@@ -74,7 +80,7 @@ class CheckpointSaver:
             return None
         self._prune()
         folder = self.folder(k)
-        self.engine.save(folder, sharded=True, async_save=self.async_save)
+        self.engine.save(folder, sharded=True, async_save=self.async_save, replicas=self.replicas)
         if self.integrated_save:
             from .merged import export_merged
             from .sharded import _group, wait_pending

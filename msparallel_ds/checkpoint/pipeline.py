@@ -54,10 +54,12 @@ def _sharded_records(engine, base, zero, keys):
             yield name, shard, {"fp32": p.detach().float(), **{k: state[k] for k in keys if k in state}}
 
 
-def save_pipeline_checkpoint(engine, save_dir: str, *, sharded: bool = False, async_save: bool = False) -> None:
-    """Every rank calls; global rank 0 writes save_dir/FILE, or (sharded) every rank its chunks (checkpoint.sharded)."""
+def save_pipeline_checkpoint(engine, save_dir: str, *, sharded: bool = True, async_save: bool = False,
+                             replicas: int = 0) -> None:
+    """Every rank calls; every rank writes its chunks (checkpoint.sharded), or (sharded=False) global rank 0 writes
+    save_dir/FILE."""
     layout, opt, spec = engine.layout, engine.optimizer, engine.spec
-    if sharded or async_save:
+    if sharded or async_save or replicas:
         from .sharded import save_sharded
 
         base, zero = _base(opt), _zero(opt)
@@ -65,7 +67,8 @@ def save_pipeline_checkpoint(engine, save_dir: str, *, sharded: bool = False, as
         step = torch.tensor(max(steps) if steps else 0.0, device=engine.device)
         dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a ZeRO-1 rank may own no parameter of its stage
         save_sharded(engine, save_dir, _sharded_records(engine, base, zero, optimizer_keys(base)),
-                     optimizer_step=float(step.item()), model=engine._hf, async_save=async_save)
+                     optimizer_step=float(step.item()), model=engine._hf, async_save=async_save,
+                     replicas=replicas)
         return
     base, zero = _base(opt), _zero(opt)
     keys = optimizer_keys(base)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from .folder import MANIFEST, acquire_lock, release_lock, remove_superseded, sweep_stale_temps
 from .format import CheckpointSaveError, _save_failure, agreed, atomic_write, check_model_config, check_names
+from .writers import writes
 
 __all__ = ["DCP_FORMAT", "LOAD_BUCKET_BYTES", "load_sharded", "open_sharded", "read_manifest", "save_sharded",
            "wait_pending", "write_whole", "writes"]
@@ -42,17 +43,6 @@ DCP_FORMAT = "msparallel_ds.dcp/1"
 PROGRESS = "progress.pt"
 LOAD_BUCKET_BYTES = 256 << 20
 _PENDING: list = []  # [(thread, box)] of the save in flight in this process
-
-
-def writes(layout, shard, index: int, owner: Optional[int] = None) -> bool:
-    """Whether this rank writes parameter #index's chunk: one replica per chunk (`owner`: the dp x cp rank that
-    must, e.g. ZeRO-1's optimizer-state owner)."""
-    if shard.is_split and layout.size(shard.group) > 1:
-        group = "edp" if shard.group == "ep" else "dp_cp"
-        return layout.rank(group) == (index % layout.size(group) if owner is None else owner)
-    dp, tp = layout.size("dp_cp"), layout.size("tp")
-    slot = index % (dp * tp)
-    return layout.rank("dp_cp") == (slot // tp if owner is None else owner) and layout.rank("tp") == slot % tp
 
 
 def _group(layout):
@@ -121,10 +111,14 @@ def _nonfinite(sd: dict) -> list[str]:
 
 
 def save_sharded(engine, save_dir: str, records: Iterable, *, optimizer_step: float, model,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, replicas: int = 0) -> None:
     """Every rank calls. `records` yields (HF name, Shard, {key: this rank's chunk}) for the chunks this rank writes
     (collectives inside run in the same order on every rank). Returns when written, or with `async_save` once the
-    chunks are staged on CPU (the writing, checksums and manifest go on in a thread)."""
+    chunks are staged on CPU (the writing, checksums and manifest go on in a thread). `replicas=1`: each rank's
+    files are also written by a data-parallel peer (checkpoint.replicas)."""
+    from .replicas import check_replicas
+
+    replicas = check_replicas(replicas, engine.layout)
     wait_pending()
     layout, group = engine.layout, _group(engine.layout)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -174,6 +168,10 @@ def save_sharded(engine, save_dir: str, records: Iterable, *, optimizer_step: fl
             save(sd, storage_writer=FileSystemWriter(data), process_group=group)
             sd.clear()  # the staged chunks are on disk
             crcs = _chunk_crcs(data, rank)
+            if replicas:
+                from .replicas import mirror_files
+
+                mirror_files(data, rank, layout, group, progress)
         except Exception as e:  # DCP raises on every rank when any rank's write failed
             message, crcs = _save_failure(e, data), None
         parts: list = [None] * world
@@ -257,6 +255,13 @@ def open_sharded(engine, load_dir: str, wanted: list, model, *, subset: bool = F
     wait_pending()
     layout, group = engine.layout, _group(engine.layout)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+
+    def restore():  # a lost node's files, from its data-parallel peers' copies (checkpoint.replicas)
+        from .replicas import restore_missing
+
+        return restore_missing(os.path.join(load_dir, read_manifest(load_dir)["data"]), load_dir) if rank == 0 else []
+
+    agreed(restore, f"engine.load({load_dir!r})")
 
     def check():
         man = read_manifest(load_dir)

@@ -96,10 +96,12 @@ def _optimizer_step(opt) -> float:
     return float(max(steps)) if steps else 0.0
 
 
-def save_checkpoint(engine, save_dir: str, *, sharded: bool = False, async_save: bool = False) -> None:
-    """Every rank calls; global rank 0 writes save_dir/FILE, or (sharded) every rank its chunks (checkpoint.sharded)."""
+def save_checkpoint(engine, save_dir: str, *, sharded: bool = True, async_save: bool = False,
+                    replicas: int = 0) -> None:
+    """Every rank calls; every rank writes its chunks (checkpoint.sharded), or (sharded=False) global rank 0 writes
+    save_dir/FILE."""
     stage, layout, spec = _check_stage(engine), engine.layout, engine.spec
-    if sharded or async_save:
+    if sharded or async_save or replicas:
         from .sharded import save_sharded
 
         opt = _inner_optimizer(engine)
@@ -107,7 +109,7 @@ def save_checkpoint(engine, save_dir: str, *, sharded: bool = False, async_save:
         if stage > 0 and opt.state:
             _link_optimizer_state(engine)
         save_sharded(engine, save_dir, _sharded_records(engine, stage, opt, keys), optimizer_step=_optimizer_step(opt),
-                     model=engine.model, async_save=async_save)
+                     model=engine.model, async_save=async_save, replicas=replicas)
         return
     opt = _inner_optimizer(engine)
     keys = optimizer_keys(opt)

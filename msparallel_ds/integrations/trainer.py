@@ -28,7 +28,8 @@ same data, order and hyperparameters:
   dp x cp and divides by dp, the Trainer multiplies by dp: the update is d(sum over the global batch / tokens).
 - save_model writes a plain HF checkpoint of the FULL model (tp shards and ZeRO-3 partitions gathered; global
   rank 0 writes). Each checkpoint-N folder also holds DeepSpeed's own files and msparallel_ds's layout-independent
-  checkpoint (msp_universal.pt, as engine.save writes it; not at ZeRO-3). train(resume_from_checkpoint=...)
+  checkpoint (sharded: msp_checkpoint.json + dcp-*/, as engine.save writes it; not at ZeRO-3).
+  train(resume_from_checkpoint=...)
   loads the latter when present, so a run resumes under the same or ANOTHER YAML layout (same global batch) with
   the losses of the uninterrupted run; the Trainer restores its own state, scheduler and RNG as usual.
 The DeepSpeed config's batch, accumulation and clipping entries are "auto": the TrainingArguments fill them. When
@@ -203,7 +204,7 @@ class MindFormersTrainer(Trainer):
             save_checkpoint(self._checkpoint_view(), output_dir)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        """Trainer.train; a checkpoint with msp_universal.pt resumes under any layout (see the module docstring)."""
+        """Trainer.train; a checkpoint with ours (msp_checkpoint.json, or msp_universal.pt) resumes under any layout (see the module docstring)."""
         import transformers.trainer as hf_trainer
 
         from ..checkpoint.folder import has_checkpoint
@@ -281,6 +282,7 @@ def load_deepspeed_weights_only(deepspeed_load, engine, path: str, **load_kwargs
 
 
 def _ours_name() -> str:
+    from ..checkpoint.folder import MANIFEST
     from ..checkpoint.format import FILE
 
-    return FILE
+    return f"{MANIFEST} (or the older {FILE})"

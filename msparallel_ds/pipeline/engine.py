@@ -311,13 +311,13 @@ class PipelineEngine:
                              "not supported yet. Train with enable_parallel_optimizer: false to checkpoint, or use "
                              "engine.save_pretrained for the weights")
 
-    def save(self, save_dir: str, *, sharded: bool = False, async_save: bool = False) -> None:
+    def save(self, save_dir: str, *, sharded: bool = True, async_save: bool = False, replicas: int = 0) -> None:
         """The layout-independent checkpoint of msparallel_ds.checkpoint (loads under any layout); sharded /
-        async_save as engine.Engine.save."""
+        async_save / replicas as engine.Engine.save."""
         self._check_checkpointable("save")
         from ..checkpoint.pipeline import save_pipeline_checkpoint
 
-        save_pipeline_checkpoint(self, save_dir, sharded=sharded, async_save=async_save)
+        save_pipeline_checkpoint(self, save_dir, sharded=sharded, async_save=async_save, replicas=replicas)
 
     def load(self, load_dir: str) -> dict:
         self._check_checkpointable("load")

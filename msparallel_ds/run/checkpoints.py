@@ -58,8 +58,11 @@ def _set_rng(state: dict) -> None:
 
 
 class CheckpointMonitor:
-    def __init__(self, output_dir: str, every: Optional[int], keep: Optional[int], rank: int):
-        self.folder = os.path.join(output_dir, "checkpoint")
+    def __init__(self, output_dir: str, every: Optional[int], keep: Optional[int], rank: int, replicas: int = 0):
+        if isinstance(replicas, bool) or replicas not in (0, 1):
+            raise ValueError(f"callbacks CheckpointMonitor.replicas={replicas!r} must be 0 or 1 (1: each rank's "
+                             "checkpoint files also written by a data-parallel peer); set e.g. replicas: 1")
+        self.folder, self.replicas = os.path.join(output_dir, "checkpoint"), replicas
         self.every, self.keep, self.rank = every, keep if keep and keep > 0 else None, rank
 
     def due(self, step: int) -> bool:
@@ -73,7 +76,7 @@ class CheckpointMonitor:
             for stale in (tmp, final):  # a crash mid-save, or a rerun of the same step
                 shutil.rmtree(stale, ignore_errors=True)
         dist.barrier()
-        engine.save(tmp, sharded=True)
+        engine.save(tmp, sharded=True, replicas=self.replicas)
         torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{self.rank}.pt"))
         dist.barrier()
         if self.rank == 0:

@@ -50,7 +50,7 @@ class Trainer:
         torch.manual_seed(spec.seed + self.rank)                      # dropout etc.: per rank, restored on resume
         ck = spec.callback("CheckpointMonitor") or {}                 # callbacks
         self.checkpoints = CheckpointMonitor(spec.output_dir, ck.get("save_checkpoint_steps"),
-                                             ck.get("keep_checkpoint_max"), self.rank)
+                                             ck.get("keep_checkpoint_max"), self.rank, ck.get("replicas", 0))
         lm = spec.callback("MFLossMonitor") or {}
         self.monitor = LossMonitor(spec.output_dir, lm.get("per_print_times", 1), self.total_steps, self.rank,
                                    self.world, n_params[0], spec.tensorboard, echo)
