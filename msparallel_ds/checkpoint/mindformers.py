@@ -45,6 +45,13 @@ def _meta_model(model: MindFormersModel):
                          f"{e}") from None
 
 
+def _weights_of(module) -> dict[str, Tensor]:
+    """What a checkpoint holds of a HF model: its parameters (a tied head once) and its persistent buffers that are
+    weights (e.g. GLM-4.5's router e_score_correction_bias); non-persistent ones (rotary tables) are not."""
+    keys = set(module.state_dict())
+    return {**dict(module.named_parameters()), **{n: b for n, b in module.named_buffers() if n in keys}}
+
+
 def _mindformers_shapes(model: MindFormersModel, expected: dict[str, Tensor]) -> dict[str, tuple]:
     """The full shape of every MindFormers name the model can have (fused and split forms), mapped on meta."""
     shapes = {}
@@ -78,7 +85,7 @@ def mindformers_to_hf(src: str, config: str, *, strategy: Optional[str] = None,
 
     model = model_from_yaml(config, legacy_fused_layout=legacy_fused_layout)
     meta = _meta_model(model)
-    expected = dict(meta.named_parameters())
+    expected = _weights_of(meta)
     weights = read_mindspore_weights(src, strategy=strategy, full_shapes=_mindformers_shapes(model, expected))
     origin: dict[str, list[str]] = {}
     hf = to_hf(model.ops, weights.tensors, model.hf_config, origin=origin)
@@ -164,7 +171,7 @@ def import_mindspore(src: str, dst: str, config: str, *, strategy: Optional[str]
 
 
 def _read_hf_dir(src: str) -> tuple[dict, dict[str, Tensor]]:
-    """(config.json, the model's parameters by name): transformers reads the folder, so every format it writes
+    """(config.json, the model's weights by name): transformers reads the folder, so every format it writes
     (one matrix per expert, sharded files) comes out under the model's own parameter names."""
     from transformers import AutoModelForCausalLM
 
@@ -178,7 +185,7 @@ def _read_hf_dir(src: str) -> tuple[dict, dict[str, Tensor]]:
         why = next((ln for ln in lines if "Unsupported global" in ln), lines[0] if lines else "")
         raise ValueError(f"{src}: its pytorch_model.bin holds objects other than tensors ({why}); it is read "
                          "weights-only and refused. Save the model with save_pretrained (safetensors)") from None
-    return json.loads(cfg_path.read_text()), {n: p.detach() for n, p in hf.named_parameters()}
+    return json.loads(cfg_path.read_text()), {n: p.detach() for n, p in _weights_of(hf).items()}
 
 
 def export_mindspore(src: str, dst: str, config: str, *, fmt: str = "ckpt", dtype: Optional[str] = None,
@@ -199,7 +206,7 @@ def export_mindspore(src: str, dst: str, config: str, *, fmt: str = "ckpt", dtyp
         if saved.get(key) is not None and mine.get(key) is not None and saved[key] != mine[key]:
             raise ValueError(f"{src} is another model than {config} describes: {key}={saved[key]!r} in its "
                              f"config.json, {mine[key]!r} from the YAML; export with the YAML of this model")
-    _check(tensors, {n: p.shape for n, p in _meta_model(model).named_parameters()}, {}, set(), f"{src}")
+    _check(tensors, {n: p.shape for n, p in _weights_of(_meta_model(model)).items()}, {}, set(), f"{src}")
     mf = to_mf(model.ops, _cast(tensors, dtype), model.hf_config, fused=model.qkv_concat)
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
     if fmt == "ckpt":
