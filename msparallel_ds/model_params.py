@@ -89,10 +89,10 @@ def dense_layer(cfg: "ParallelConfig") -> Params:
     m = cfg.model
     h, ffn = m.hidden_size, ffn_size(cfg)
     if not m.gated_mlp:  # fc -> act -> proj
-        mlp = Params(2 * h * ffn + (ffn if m.linear_bias else 0), h if m.linear_bias else 0)
+        ffn_part = Params(2 * h * ffn + (ffn if m.linear_bias else 0), h if m.linear_bias else 0)
     else:
-        mlp = Params(3 * h * ffn)
-    return attention(m) + mlp + Params(_norms(m))
+        ffn_part = Params(3 * h * ffn)
+    return attention(m) + ffn_part + Params(_norms(m))
 
 
 def moe_layer(cfg: "ParallelConfig", s: "MoESettings", ep: int) -> tuple[Params, int]:
