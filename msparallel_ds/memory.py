@@ -2,9 +2,11 @@
 
 Assumptions (stated so the numbers can be checked):
 - Parameters per layer: model_params.py (Llama or Multi-head Latent Attention, SwiGLU MLP 3*h*ffn with ffn =
-  ffn_hidden_size or 8h/3 rounded up to 256, two norms 2h; MoE and MTP layers); embedding and an untied output head
-  V*h each, split over tp when vocab parallel. The worst rank holds the busiest pipeline stage plus the embedding
-  (first stage) or the head; with MTP layers and pp > 1 the last stage holds the embedding too.
+  ffn_hidden_size or 8h/3 rounded up to 256, two norms 2h; MoE and MTP layers; GLM's and GPT-2's biases, head dim,
+  extra norms, plain MLP); embedding (+ a learned position table) and the output head V*h each (+ the final norm),
+  split over tp when vocab parallel; a tied head counted once when pp == 1. The worst rank holds the busiest
+  pipeline stage plus the embedding (first stage) or the head; with MTP layers and pp > 1 the last stage holds the
+  embedding too.
 - Bytes: weights and gradients in the compute dtype (bf16/fp16: 2, fp32: 4). Optimizer state: Adam's m and v in
   fp32 (8 bytes/param) plus an fp32 master copy (4) in mixed precision, and also in fp32 under DeepSpeed ZeRO 1-2
   (stage_1_and_2.py clones its fp32 partition whatever the dtype). ZeRO-1 divides optimizer state, ZeRO-2 also
@@ -42,7 +44,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from .model_params import dense_layer, ffn_size, mla_dims
+from .model_params import dense_layer, embedding_params, ffn_size, head_params, mla_dims
 from .moe.plan import stage_layer_kinds, stage_params
 
 if TYPE_CHECKING:
@@ -75,7 +77,7 @@ def param_counts(cfg: "ParallelConfig") -> Optional[tuple[int, int]]:
     m = cfg.model
     if None in (m.num_layers, m.hidden_size, m.num_heads, m.vocab_size):
         return None
-    return dense_layer(cfg).total, m.vocab_size * m.hidden_size
+    return dense_layer(cfg).total, max(embedding_params(m), head_params(m))
 
 
 def estimate_memory(plan: "Plan", stage: Optional[int] = None) -> Optional[MemoryEstimate]:
@@ -87,15 +89,15 @@ def estimate_memory(plan: "Plan", stage: Optional[int] = None) -> Optional[Memor
     counts = param_counts(cfg)
     if counts is None or m.seq_length is None:
         return None
-    embed = counts[1]
     mesh = plan.mesh
     t, p = mesh.tp, mesh.pp
     kinds = stage_layer_kinds(plan)
     vocab_split = t if plan.vocab_parallel else 1
-    # pp == 1: embedding and head both here (head untied); pp > 1: one of them on the worst stage, and the last
-    # stage's MTP layers need the embedding beside the head
-    embed_params = embed * (2 if p == 1 else 1) // vocab_split
-    mtp_embed = embed // vocab_split if p > 1 and m.mtp_depth else 0
+    # pp == 1: embedding and head both here (a tied head counted once); pp > 1: one of them on the worst stage (a
+    # tied head's copy on the last), and the last stage's MTP layers need the embedding beside the head
+    first, last_side = embedding_params(m, vocab_split), head_params(m, vocab_split, beside_embedding=p == 1)
+    embed_params = first + last_side if p == 1 else max(first, last_side)
+    mtp_embed = m.vocab_size * m.hidden_size // vocab_split if p > 1 and m.mtp_depth else 0
     wbytes = 2 if plan.compute_dtype in ("bf16", "fp16") else 4
     z, shard, edp = plan.zero.stage, mesh.dp * mesh.cp, plan.expert_data_parallel
     if p > 1:  # the pipeline engine: ZeRO-1 at most (level2/3 run as level1), torch's AdamW on the weights
@@ -108,7 +110,7 @@ def estimate_memory(plan: "Plan", stage: Optional[int] = None) -> Optional[Memor
 
     last = len(kinds) - 1
     if stage is not None:  # this stage's own: embedding first, head (+ MTP's embedding) last
-        embed_params = embed * ((stage == 0) + (stage == last)) // vocab_split
+        embed_params = (first if stage == 0 else 0) + (last_side if stage == last else 0)
         kinds = [kinds[stage]]
     stages = [(d + embed_params + (mtp_embed if j == last else 0), e)
               for j, (d, e) in enumerate(stage_params(plan)) if stage is None or j == stage]

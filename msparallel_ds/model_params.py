@@ -1,7 +1,11 @@
 """Parameters of one decoder layer, by part, from the YAML's model shape (pure arithmetic; moe/plan.py sums them per
 pipeline stage for memory.py). h = hidden_size, n = num_heads.
 
-- Attention, Llama family: q, o = h*h each, k, v = h*kv each (kv = kv heads x h/n).
+- Attention, Llama family: q, o = h*h each, k, v = h*kv each (kv = kv heads x h/n). With the block traits of
+  config/model_traits.py (GLM, GPT-2): head dim d (q = n*d, kv = kv heads x d), q/k/v biases (split), per-head q/k
+  norms 2d and the output projection's bias h (replicated); a non-gated MLP 2*h*ffn (+ ffn and h biases); norms with
+  biases (LayerNorm) 2h each, two more norms with post_norms. Embedding V*h plus a learned position table P*h;
+  the head V*h unless tied (counted once when embedding and head share a stage) plus the final norm.
 - Attention, Multi-head Latent Attention (DeepSeek-V2/V3; on when model_config sets kv_lora_rank), as transformers'
   DeepseekV3Attention: q = h*q_lora + q_lora (q_a_layernorm) + q_lora*n*(nope+rope), or h*n*(nope+rope) when
   q_lora_rank is unset or 0; kv = h*(kv_lora+rope) (kv_a_proj_with_mqa) + kv_lora (kv_a_layernorm) +
@@ -58,27 +62,56 @@ def mla_dims(m: "ModelShape") -> dict[str, int]:
             "nope": dims["qk_nope_head_dim"], "v": dims["v_head_dim"]}
 
 
+def norm_size(m: "ModelShape") -> int:
+    """One norm's parameters: weight (and LayerNorm's bias)."""
+    return m.hidden_size * (2 if m.linear_bias else 1)
+
+
 def attention(m: "ModelShape") -> Params:
     h, n = m.hidden_size, m.num_heads
     d = mla_dims(m)
     if not d:
-        return Params(2 * h * h + 2 * h * m.kv_heads * (h // n))
+        hd = m.head_dim or h // n
+        q, kv = n * hd, m.kv_heads * hd
+        bias = q + 2 * kv if m.qkv_bias or m.linear_bias else 0
+        return Params(2 * h * q + 2 * h * kv + bias, (h if m.linear_bias else 0) + (2 * hd if m.qk_norm else 0))
     q_heads = n * (d["nope"] + d["rope"])
     q = Params(d["q_lora"] * q_heads, h * d["q_lora"] + d["q_lora"]) if d["q_lora"] else Params(h * q_heads)
     kv = Params(d["kv_lora"] * n * (d["nope"] + d["v"]), h * (d["kv_lora"] + d["rope"]) + d["kv_lora"])
     return q + kv + Params(n * d["v"] * h)
 
 
+def _norms(m: "ModelShape") -> int:
+    return (4 if m.post_norms else 2) * norm_size(m)
+
+
 def dense_layer(cfg: "ParallelConfig") -> Params:
-    h = cfg.model.hidden_size
-    return attention(cfg.model) + Params(3 * h * ffn_size(cfg) + 2 * h)
+    m = cfg.model
+    h, ffn = m.hidden_size, ffn_size(cfg)
+    if not m.gated_mlp:  # fc -> act -> proj
+        ffn_part = Params(2 * h * ffn + (ffn if m.linear_bias else 0), h if m.linear_bias else 0)
+    else:
+        ffn_part = Params(3 * h * ffn)
+    return attention(m) + ffn_part + Params(_norms(m))
 
 
 def moe_layer(cfg: "ParallelConfig", s: "MoESettings", ep: int) -> tuple[Params, int]:
     """(a MoE layer's parameters outside the routed experts, the routed-expert parameters of a rank holding E/ep)."""
     h, ffn = cfg.model.hidden_size, ffn_size(cfg)
-    rest = attention(cfg.model) + Params(3 * h * s.shared_size(ffn) + 2 * h, s.num_experts * h)
+    rest = attention(cfg.model) + Params(3 * h * s.shared_size(ffn) + _norms(cfg.model), s.num_experts * h)
     return rest, s.num_experts // ep * 3 * h * s.expert_size(ffn)
+
+
+def embedding_params(m: "ModelShape", vocab_split: int = 1) -> int:
+    """The first stage's input side: the word embedding (split when vocab parallel) and a learned position table."""
+    return m.vocab_size * m.hidden_size // vocab_split + (m.position_embeddings or 0) * m.hidden_size
+
+
+def head_params(m: "ModelShape", vocab_split: int = 1, *, beside_embedding: bool = False) -> int:
+    """The last stage's output side: the final norm and the head (none of its own when tied to an embedding held
+    on the same stage; pipeline stages without the embedding hold a copy)."""
+    shared = m.tie_word_embeddings and beside_embedding
+    return norm_size(m) + (0 if shared else m.vocab_size * m.hidden_size // vocab_split)
 
 
 def mtp_extra(m: "ModelShape") -> Params:

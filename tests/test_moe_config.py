@@ -236,7 +236,7 @@ def test_memory_counts_experts_by_hand():
     dense = (attention + 3 * h * ffn) // 2  # tp 2
     moe = (attention + 3 * h * 32) // 2 + 8 * h  # shared expert split over tp, router replicated
     experts = 3 * (8 // 4) * 3 * h * 32  # three MoE layers x 2 local experts
-    embed = 2 * 256 * h  # embedding + head, pp 1, vocab_emb_dp
+    embed = 2 * 256 * h + h  # embedding + head + final norm, pp 1, vocab_emb_dp
     assert m.expert_params_per_rank == experts and m.params_per_rank == dense + 3 * moe + embed + experts
     zero = mutate(doc, "parallel_config", data_parallel=4, expert_parallel=2)
     zero["parallel"] = {"enable_parallel_optimizer": True}

@@ -67,7 +67,7 @@ def test_tensor_parallel_splits_only_the_per_head_projections():
     assert rest.per_rank(2) == (split + 3 * 64 * 32 + 2 * 64) // 2 + whole + 8 * 64  # router replicated
     assert experts == 4 * 3 * 64 * 32
     p = plan(doc({"model_parallel": 2, "data_parallel": 2, "expert_parallel": 2}))
-    embed = 2 * 128 * 64 // (2 if p.vocab_parallel else 1)  # pp 1: embedding and head
+    embed = 2 * 128 * 64 // (2 if p.vocab_parallel else 1) + 64  # pp 1: embedding, head and the final norm
     layers = dense_layer(cfg).per_rank(2) + 3 * (rest.per_rank(2) + experts)
     assert p.memory.params_per_rank == layers + embed and p.memory.expert_params_per_rank == 3 * experts
     no_q_lora = msp.load_config(doc(q_lora_rank=0)).model
@@ -108,8 +108,8 @@ def test_deepseek_v3_671b_counts_mla_and_mtp(path):
     # replicated q_a 7168*1536 + 1536 + kv_a 7168*576 + 512 = 15,140,864 (187.1M in all, as DeepSeek-V3).
     # MoE layer per rank: (attention split + shared 3*7168*2048 + norms 2*7168) / 4 + replicated + router 256*7168
     # = 70,981,120, plus 32 local experts x 3*7168*2048 = 1,409,286,144. The worst stage holds 4 MoE layers and the
-    # embedding 129280*7168/4: 4 * 1,480,267,264 + 231,669,760 = 6,152,738,816 (about 6.15B; 671B / 128 pp x ep
+    # head 129280*7168/4 and the final norm 7168: 4 * 1,480,267,264 + 231,676,928 (about 6.15B; 671B / 128 pp x ep
     # groups = 5.2B, and each rank holds its attention and shared experts once per tp rank on top).
     assert stage_layer_kinds(p)[-1] == (0, 1, 1) and stage_layer_kinds(p)[0] == (3, 1, 0)
-    assert m.params_per_rank == 4 * (70_981_120 + 1_409_286_144) + 231_669_760
+    assert m.params_per_rank == 4 * (70_981_120 + 1_409_286_144) + 231_669_760 + 7168  # head + final norm
     assert m.expert_params_per_rank == 4 * 1_409_286_144

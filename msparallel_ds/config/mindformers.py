@@ -10,6 +10,7 @@ from typing import Any, Mapping
 from pydantic import ValidationError
 
 from .errors import ConfigError, ConfigIssue, ConfigWarning
+from .model_traits import model_traits
 from .modes import apply_mode_resets
 from .moe import read_moe
 from .pet import read_pet
@@ -251,6 +252,10 @@ def _model_shape(raw: Mapping, issues: list[ConfigIssue], spelled: dict[str, str
                 if spelling != field:
                     spelled[f"model.model_config.{field}"] = f"model.model_config.{spelling}"
                 break
+    for field, value in model_traits(mc).items():  # GLM / GPT-2 block structure (config/model_traits.py)
+        shape.setdefault(field, value)
+    if "kv_channels" in mc and "head_dim" not in mc:
+        spelled["model.model_config.head_dim"] = "model.model_config.kv_channels"
     data = raw.get("train_dataset")  # mcore models train at the dataset's length (GPTDataset config.seq_length)
     data = data.get("data_loader") if isinstance(data, Mapping) else None
     data = data.get("config") if isinstance(data, Mapping) else None

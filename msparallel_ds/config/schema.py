@@ -236,6 +236,15 @@ class ModelShape(_Section):
     qk_nope_head_dim: Optional[Count] = None
     v_head_dim: Optional[Count] = None
     mtp_loss_factor: Optional[Number] = None  # reported in the plan's notes only
+    # the block's structure beyond the Llama shape (config/model_traits.py reads it per family; model_params.py counts)
+    head_dim: Optional[Count] = None  # None: hidden_size / num_heads
+    qkv_bias: StrictBool = False
+    qk_norm: StrictBool = False  # per-head q/k norms
+    post_norms: StrictBool = False  # two more norms per layer (after attention and after the MLP)
+    gated_mlp: StrictBool = True  # gate/up/down (SwiGLU); False: fc -> act -> proj
+    linear_bias: StrictBool = False  # every projection and norm has a bias (LayerNorm)
+    position_embeddings: Optional[Count] = None  # rows of a learned position table
+    tie_word_embeddings: StrictBool = False
     compute_dtype: Literal["float32", "float16", "bfloat16"] = "float16"
     param_init_type: Literal["float32", "float16", "bfloat16"] = "float32"
 

@@ -53,6 +53,7 @@ class DecoderAdapter:
     mindformers_names: dict[str, list[str]] = {}  # HF name inside a layer -> MindFormers cell names
     mindformers_top_names: dict[str, list[str]] = {}  # the same for modules outside the layers (the head)
     mindformers_mtp = False  # MindFormers checkpoints hold MTP layers (num_nextn_predict_layers; models/mtp.py)
+    lora_fan_in_fan_out = False                    # LoRA targets store W as [in, out] (HF Conv1D)
 
     # ------------------------------------------------------------------------------------------ which models
     def matches(self, architecture: str, model_type: Optional[str]) -> bool:
@@ -157,6 +158,11 @@ class DecoderAdapter:
             if any(re.match(pattern, c) for c in own) and not any(re.match(x, c) for x in exclude for c in own):
                 found.append(name)
         return found
+
+    def lora_block_targets(self, model: nn.Module, pattern: str, exclude: tuple[str, ...] = ()) -> dict:
+        """Fused HF projections whose column blocks are separate MindFormers cells matched by `pattern`:
+        {module name: ((cell name, first column, width), ...)} (pet.BlockLora puts one LoRA on each block)."""
+        return {}
 
     def layer_count(self, model: nn.Module) -> int:
         return len(self.base(model).layers)

@@ -184,9 +184,63 @@ class Glm4MoeFamily(MoEFamily):
             return []
         return list(range(config.first_k_dense_replace or 0, config.num_hidden_layers))
 
+    def mindformers_weights(self, config: Any, *, legacy: bool, qkv_interleaved: bool = True,
+                            fc1_interleaved: bool = True) -> list[WeightOp]:
+        """mindformers 2.1.0 models/glm4_moe/utils.py weight_mapping (Glm4MoePreTrainedModel, applied name by name
+        by parallel_core/utils/model_mixin.py convert_name): HF's own layout under mcore names, q/k/v and gate/up
+        split, one set of gating / hidden / linear_fc2 per routed expert (transformers 5 fuses them in
+        experts.gate_up_proj [E, 2I, H] = [gate; up] per expert and experts.down_proj [E, H, I])."""
+        if legacy:
+            raise ValueError("glm4_moe: MindFormers has only the 2.x mcore names for GLM-4.5 (use_legacy: false)")
+        if getattr(config, "use_qk_norm", False):
+            raise ValueError("glm4_moe with use_qk_norm: true: mindformers 2.1.0's glm4_moe weight_mapping has no "
+                             "q_norm / k_norm names; only use_qk_norm: false (GLM-4.5, GLM-4.5-Air) converts")
+        return _mcore_glm4_moe_ops(self.num_experts(config))
+
     def base_tp_plan(self, config: Any, tp: int) -> dict[str, str]:
         plan = super().base_tp_plan(config, tp)
         if getattr(config, "use_qk_norm", False):  # per-head norms: every rank's heads use the same weights
             plan.update({"layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
                          "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"})
         return plan
+
+
+@dataclass(frozen=True)
+class _PerExpert(WeightOp):
+    """MindFormers' per-expert tensors (experts.E.gating ..., one name per expert and part) <-> one HF fused expert
+    tensor: the experts stacked (dim 0), the parts ([gate; up]) joined along dim 1."""
+
+    def to_hf(self, ts, cfg):
+        parts = len(ts) // _experts(cfg)
+        return [torch.cat([torch.stack(ts[i::parts]) for i in range(parts)], dim=1)]
+
+    def to_mf(self, ts, cfg):
+        parts = len(self.mf) // _experts(cfg)
+        chunks = torch.chunk(ts[0], parts, dim=1)
+        return [chunks[i][e].contiguous() for e in range(_experts(cfg)) for i in range(parts)]
+
+
+def _experts(cfg) -> int:
+    return int(cfg.n_routed_experts)
+
+
+def _mcore_glm4_moe_ops(experts: int) -> list[WeightOp]:
+    mf, hf = "decoder.layers.{L}.", _HF
+    ops = [Rename("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+           Rename("decoder.final_layernorm.weight", "model.norm.weight"),
+           Rename("output_layer.weight", "lm_head.weight"),
+           Rename(mf + "input_layernorm.weight", hf + "input_layernorm.weight"),
+           Rename(mf + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"),
+           Rename(mf + "self_attention.linear_proj.weight", hf + "self_attn.o_proj.weight"),
+           Rename(mf + "mlp.router.weight", hf + "mlp.gate.weight"),
+           Rename(mf + "mlp.router.expert_bias", hf + "mlp.gate.e_score_correction_bias")]
+    ops += [Rename(f"{mf}self_attention.linear_{x}.{kind}", f"{hf}self_attn.{x}_proj.{kind}")
+            for x in "qkv" for kind in ("weight", "bias")]
+    for part, hf_part in (("gating", "gate_proj"), ("hidden", "up_proj"), ("linear_fc2", "down_proj")):
+        ops += [Rename(f"{mf}mlp.{part}.weight", f"{hf}mlp.{hf_part}.weight"),
+                Rename(f"{mf}mlp.shared_experts.{part}.weight", f"{hf}mlp.shared_experts.{hf_part}.weight")]
+    ops += [_PerExpert(tuple(f"{mf}mlp.experts.{e}.{part}.weight" for e in range(experts)
+                             for part in ("gating", "hidden")), (hf + "mlp.experts.gate_up_proj",)),
+            _PerExpert(tuple(f"{mf}mlp.experts.{e}.linear_fc2.weight" for e in range(experts)),
+                       (hf + "mlp.experts.down_proj",))]
+    return ops

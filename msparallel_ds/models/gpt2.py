@@ -33,6 +33,10 @@ from .stage import StageModule
 __all__ = ["Gpt2Family", "Gpt2Stage", "gpt2_hf_config"]
 
 _BLOCKS = ("attn", "mlp")
+# HF module in a layer -> the MindFormers linear cells it holds (GPTTransformerDecoderLayer: attention, output)
+_LORA_CELLS = {"attn.c_attn": ("attention.dense1", "attention.dense2", "attention.dense3"),
+               "attn.c_proj": ("attention.projection",), "mlp.c_fc": ("output.mapping",),
+               "mlp.c_proj": ("output.projection",)}
 
 
 class Gpt2Family(DecoderAdapter):
@@ -45,6 +49,8 @@ class Gpt2Family(DecoderAdapter):
                          "attn.c_attn": ["attention.dense1", "attention.dense2", "attention.dense3"],
                          "attn.c_proj": ["attention.projection"], "mlp.c_fc": ["output.mapping"],
                          "mlp.c_proj": ["output.projection"], "mlp.act": ["output.mapping.activation"]}
+
+    lora_fan_in_fan_out = True  # Conv1D: W is [in, out]
 
     def layer_items(self, part: nn.Module) -> list[tuple[int, nn.Module]]:
         if isinstance(part, StageModule):
@@ -114,6 +120,38 @@ class Gpt2Family(DecoderAdapter):
     def mindformers_weights(self, config: Any, *, legacy: bool, qkv_interleaved: bool = True,
                             fc1_interleaved: bool = True) -> list[WeightOp]:
         return _gpt2_ops()
+
+    # ------------------------------------------------------------------------------------------ LoRA
+    def _lora_cells(self, model: nn.Module, pattern: str, exclude) -> list[tuple[int, str, str]]:
+        """(layer, HF module in the layer, MindFormers cell) of each linear cell MindFormers' LoRA replaces. Its walk
+        (pet/tuners/lora_adapter.py recursive_replace_dense_cell, from GPT2LMHeadModel.backbone) re.matches each
+        cell's own name: an excluded cell, or a matched one that is no Dense/Linear, is not entered; so the path
+        blocks -> N -> attention|output -> dense1.. must pass before the linear cell itself is tried."""
+        found = []
+        for i, _ in self.layer_items(model):
+            for hf, cells in _LORA_CELLS.items():
+                for cell in cells:
+                    *path, own = ("blocks", str(i), *cell.split("."))
+                    if any(re.match(x, n) for x in exclude for n in (*path, own)):
+                        continue
+                    if not any(re.match(pattern, n) for n in path) and re.match(pattern, own):
+                        found.append((i, hf, own))
+        return found
+
+    def lora_targets(self, model: nn.Module, pattern: str, exclude: tuple[str, ...] = ()) -> list[str]:
+        return [f"{self.prefix}.h.{i}.{hf}" for i, hf, _ in self._lora_cells(model, pattern, exclude)
+                if hf != "attn.c_attn"]
+
+    def lora_block_targets(self, model: nn.Module, pattern: str, exclude: tuple[str, ...] = ()) -> dict:
+        """attention.dense1/2/3 are separate q/k/v Linears in MindFormers (modules/transformer/transformer.py
+        MultiHeadAttention :1512-1535, :1629-1631), HF's c_attn columns [q | k | v]: one LoRA per matched block."""
+        h = model.config.n_embd
+        out: dict[str, tuple] = {}
+        for i, hf, own in self._lora_cells(model, pattern, exclude):
+            if hf == "attn.c_attn":
+                key = f"{self.prefix}.h.{i}.attn.c_attn"
+                out[key] = out.get(key, ()) + ((own, (int(own[-1]) - 1) * h, h),)
+        return out
 
 
 class _Body(nn.Module):
