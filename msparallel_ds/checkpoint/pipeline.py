@@ -1,7 +1,8 @@
 """engine.save / engine.load for the pipeline engine, in the same file engine.Engine writes (checkpoint.format).
 
 Each stage's records (fp32 weights and Adam moments) are gathered over tp by engine.spec and, with ZeRO-1 (torch's
-ZeroRedundancyOptimizer), broadcast over dp x cp from the rank that owns the optimizer state; then the ranks on
+ZeroRedundancyOptimizer), broadcast over its group from the rank that owns the optimizer state (dp x cp; with ep the
+experts' over edp, pipeline.zero.SplitZero's two parts, each parameter in exactly one); then the ranks on
 global rank 0's pipeline path (dp = cp = tp coordinate 0) send their stage's records to rank 0 over the pp group.
 Same keys (HF names), so a pp run resumes under dp/tp/cp or one process and back.
 """
@@ -22,34 +23,53 @@ from .zero import validated_parts
 __all__ = ["gather_pipeline_state_dict", "load_pipeline_checkpoint", "save_pipeline_checkpoint"]
 
 
-def _zero(opt):
+def _parts(opt) -> list:
+    """[(torch optimizer holding this rank's states, its ZeroRedundancyOptimizer or None, ZeRO group name)]: one part,
+    or pipeline.zero.SplitZero's two (dense over dp x cp, experts over edp; duck-typed, no import cycle)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    return opt if isinstance(opt, ZeroRedundancyOptimizer) else None
+    out = []
+    for i, part in enumerate(getattr(opt, "parts", None) or [opt]):
+        z = part if isinstance(part, ZeroRedundancyOptimizer) else None
+        out.append((z.optim if z is not None else part, z, "edp" if i == 1 else "dp_cp"))
+    return out
 
 
 def _base(opt):
-    z = _zero(opt)
-    return z.optim if z is not None else opt
+    """The per-rank state view (SplitZero: both parts' states) and the Adam keys of its optimizer class."""
+    parts = _parts(opt)
+    return (parts[0][0] if len(parts) == 1 else opt), optimizer_keys(parts[0][0])
+
+
+def _owners(opt) -> dict:
+    """{parameter: (ZeRO group name, rank in it owning its optimizer state)} for the ZeRO-1 parts."""
+    return {p: (name, r) for _, z, name in _parts(opt) if z is not None for p, r in z._param_to_rank.items()}
+
+
+def _ensure_state(opt, keys, step: float) -> None:
+    for base, _, _ in _parts(opt):
+        ensure_adam_state(base, keys, step)
 
 
 def _has_state(engine) -> bool:
     """Whether any rank has taken a step (ZeRO-1: a rank may own no parameter of its stage)."""
-    flag = torch.tensor(float(bool(_base(engine.optimizer).state)), device=engine.device)
+    flag = torch.tensor(float(bool(_base(engine.optimizer)[0].state)), device=engine.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
 
-def _sharded_records(engine, base, zero, keys):
+def _sharded_records(engine, base, owners, keys):
     """(name, Shard, {key: tp-local tensor}) of the chunks this rank writes: with ZeRO-1 the owner of a parameter's
-    optimizer state writes it (checkpoint.sharded.writes), no collective needed."""
+    optimizer state writes it (checkpoint.sharded.writes: an expert split over ep by its edp rank, others by their
+    dp x cp rank), no collective needed."""
     from .sharded import writes
 
     for i, (name, p) in enumerate(engine.model.named_parameters()):
         if getattr(p, "shared_embedding", False):  # written once, by the first stage (pipeline.shared)
             continue
         shard = engine.spec.get(name)
-        if writes(engine.layout, shard, i, zero._param_to_rank[p] if zero is not None else None):
+        owner = owners.get(p, (None, None))[1]
+        if writes(engine.layout, shard, i, owner):
             state = base.state.get(p, {})
             yield name, shard, {"fp32": p.detach().float(), **{k: state[k] for k in keys if k in state}}
 
@@ -60,17 +80,15 @@ def save_pipeline_checkpoint(engine, save_dir: str, *, sharded: bool = False, as
     if sharded or async_save:
         from .sharded import save_sharded
 
-        base, zero = _base(opt), _zero(opt)
+        base, keys = _base(opt)
         steps = [float(s["step"]) for s in base.state.values() if "step" in s]
         step = torch.tensor(max(steps) if steps else 0.0, device=engine.device)
         dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a ZeRO-1 rank may own no parameter of its stage
-        save_sharded(engine, save_dir, _sharded_records(engine, base, zero, optimizer_keys(base)),
+        save_sharded(engine, save_dir, _sharded_records(engine, base, _owners(opt), keys),
                      optimizer_step=float(step.item()), model=engine._hf, async_save=async_save)
         return
-    base, zero = _base(opt), _zero(opt)
-    keys = optimizer_keys(base)
+    (base, keys), owners = _base(opt), _owners(opt)
     stateful = _has_state(engine)
-    dp_cp = layout.ranks("dp_cp")
     records: dict[str, dict[str, Tensor]] = {}
     steps = []
     for name, p in engine.model.named_parameters():
@@ -81,8 +99,9 @@ def save_pipeline_checkpoint(engine, save_dir: str, *, sharded: bool = False, as
             state = base.state.get(p, {})
             for k in keys:
                 t = state[k].detach().clone() if k in state else torch.zeros_like(p)
-                if zero is not None:  # the owner broadcasts its shard's state over dp x cp
-                    dist.broadcast(t, src=dp_cp[zero._param_to_rank[p]], group=layout.group("dp_cp"))
+                if p in owners:  # the owner broadcasts its shard's state over its ZeRO group
+                    group, owner = owners[p]
+                    dist.broadcast(t, src=layout.ranks(group)[owner], group=layout.group(group))
                 rec[k] = t
             if "step" in state:
                 steps.append(float(state["step"]))
@@ -99,24 +118,25 @@ def load_pipeline_checkpoint(engine, load_dir: str) -> dict[str, Any]:
     """Resume this rank's stages from engine.save's file or a convert-checkpoint folder; every rank calls."""
     from .folder import checkpoint_kind
 
-    layout, base = engine.layout, _base(engine.optimizer)
+    layout, (base, keys) = engine.layout, _base(engine.optimizer)
     what = f"engine.load({load_dir!r})"
     if agreed(lambda: checkpoint_kind(load_dir), what) == "sharded":
         return _load_sharded(engine, load_dir)
     ck, sliced = agreed(lambda: read_for_layout(load_dir, layout), what)  # engine.save's file or a converted one
-    spec, keys = engine.spec, optimizer_keys(base)
+    spec = engine.spec
     aliases = _aliases(engine)
     parts = agreed(lambda: validated_parts(ck, engine.model, engine._hf, spec, layout, sliced, load_dir,
                                            subset=True, aliases=aliases), what)  # everything checked before any tensor is touched
-    ensure_adam_state(base, keys, ck["optimizer_step"])
+    _ensure_state(engine.optimizer, keys, ck["optimizer_step"])
+    states = base.state  # SplitZero: a merged view, built once
     with torch.no_grad():
         for name, p in engine.model.named_parameters():
             rec = parts[name]
             p.copy_(rec["fp32"].to(p.dtype))
-            if p in base.state:  # ZeRO-1: only this rank's shard of the optimizer state lives here
+            if p in states:  # ZeRO-1: only this rank's shard of the optimizer state lives here
                 for k in keys:
                     if k in rec:
-                        base.state[p][k].copy_(rec[k])
+                        states[p][k].copy_(rec[k])
     return resume_progress(engine, ck)
 
 
@@ -130,16 +150,16 @@ def _load_sharded(engine, load_dir: str) -> dict[str, Any]:
     rank holds the optimizer state (ZeRO-1: its own parameters)."""
     from .sharded import load_sharded, open_sharded
 
-    base = _base(engine.optimizer)
-    keys = optimizer_keys(base)
-    owned = {p for g in base.param_groups for p in g["params"]}
+    base, keys = _base(engine.optimizer)
+    owned = {p for b, _, _ in _parts(engine.optimizer) for g in b.param_groups for p in g["params"]}
     aliases = _aliases(engine)  # the last stage's copy of the word embedding reads the first stage's record
     view = dict(engine.model.named_parameters())
     named = {aliases.get(n, n): p for n, p in view.items()}
     wanted = [(aliases.get(n, n), tuple(p.shape), engine.spec.get(n), ("fp32",) + (keys if p in owned else ()))
               for n, p in view.items()]
     plan = open_sharded(engine, load_dir, wanted, engine._hf, subset=True)
-    ensure_adam_state(base, keys, plan["progress"]["optimizer_step"])
+    _ensure_state(engine.optimizer, keys, plan["progress"]["optimizer_step"])
+    states = base.state  # SplitZero: a merged view, built once
 
     @torch.no_grad()
     def apply(name, rec):
@@ -147,6 +167,6 @@ def _load_sharded(engine, load_dir: str) -> dict[str, Any]:
         p.copy_(rec["fp32"].to(p.dtype))
         for k in keys:
             if k in rec:
-                base.state[p][k].copy_(rec[k])
+                states[p][k].copy_(rec[k])
 
     return resume_progress(engine, load_sharded(engine, plan, apply))
