@@ -16,49 +16,21 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .format import FILE, agreed, read_for_layout, record_for, resume_progress, write_agreed
-from .optim_state import ensure_adam_state, optimizer_keys
+from .optim_state import ensure_state, owners, parts, state_view
 from .reshard import gather, gather_pipeline_state_dict, merge_over_pp
 from .zero import validated_parts
 
 __all__ = ["gather_pipeline_state_dict", "load_pipeline_checkpoint", "save_pipeline_checkpoint"]
 
 
-def _parts(opt) -> list:
-    """[(torch optimizer holding this rank's states, its ZeroRedundancyOptimizer or None, ZeRO group name)]: one part,
-    or pipeline.zero.SplitZero's two (dense over dp x cp, experts over edp; duck-typed, no import cycle)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    out = []
-    for i, part in enumerate(getattr(opt, "parts", None) or [opt]):
-        z = part if isinstance(part, ZeroRedundancyOptimizer) else None
-        out.append((z.optim if z is not None else part, z, "edp" if i == 1 else "dp_cp"))
-    return out
-
-
-def _base(opt):
-    """The per-rank state view (SplitZero: both parts' states) and the Adam keys of its optimizer class."""
-    parts = _parts(opt)
-    return (parts[0][0] if len(parts) == 1 else opt), optimizer_keys(parts[0][0])
-
-
-def _owners(opt) -> dict:
-    """{parameter: (ZeRO group name, rank in it owning its optimizer state)} for the ZeRO-1 parts."""
-    return {p: (name, r) for _, z, name in _parts(opt) if z is not None for p, r in z._param_to_rank.items()}
-
-
-def _ensure_state(opt, keys, step: float) -> None:
-    for base, _, _ in _parts(opt):
-        ensure_adam_state(base, keys, step)
-
-
 def _has_state(engine) -> bool:
     """Whether any rank has taken a step (ZeRO-1: a rank may own no parameter of its stage)."""
-    flag = torch.tensor(float(bool(_base(engine.optimizer)[0].state)), device=engine.device)
+    flag = torch.tensor(float(bool(state_view(engine.optimizer)[0])), device=engine.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
 
-def _sharded_records(engine, base, owners, keys):
+def _sharded_records(engine, states, owner_of, keys):
     """(name, Shard, {key: tp-local tensor}) of the chunks this rank writes: with ZeRO-1 the owner of a parameter's
     optimizer state writes it (checkpoint.sharded.writes: an expert split over ep by its edp rank, others by their
     dp x cp rank), no collective needed."""
@@ -68,9 +40,8 @@ def _sharded_records(engine, base, owners, keys):
         if getattr(p, "shared_embedding", False):  # written once, by the first stage (pipeline.shared)
             continue
         shard = engine.spec.get(name)
-        owner = owners.get(p, (None, None))[1]
-        if writes(engine.layout, shard, i, owner):
-            state = base.state.get(p, {})
+        if writes(engine.layout, shard, i, owner_of.get(p, (None, None))[1]):
+            state = states.get(p, {})
             yield name, shard, {"fp32": p.detach().float(), **{k: state[k] for k in keys if k in state}}
 
 
@@ -80,14 +51,14 @@ def save_pipeline_checkpoint(engine, save_dir: str, *, sharded: bool = False, as
     if sharded or async_save:
         from .sharded import save_sharded
 
-        base, keys = _base(opt)
-        steps = [float(s["step"]) for s in base.state.values() if "step" in s]
+        states, keys = state_view(opt)
+        steps = [float(s["step"]) for s in states.values() if "step" in s]
         step = torch.tensor(max(steps) if steps else 0.0, device=engine.device)
         dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a ZeRO-1 rank may own no parameter of its stage
-        save_sharded(engine, save_dir, _sharded_records(engine, base, _owners(opt), keys),
+        save_sharded(engine, save_dir, _sharded_records(engine, states, owners(opt), keys),
                      optimizer_step=float(step.item()), model=engine._hf, async_save=async_save)
         return
-    (base, keys), owners = _base(opt), _owners(opt)
+    (states, keys), owner_of = state_view(opt), owners(opt)
     stateful = _has_state(engine)
     records: dict[str, dict[str, Tensor]] = {}
     steps = []
@@ -96,11 +67,11 @@ def save_pipeline_checkpoint(engine, save_dir: str, *, sharded: bool = False, as
             continue
         rec = {"fp32": p.detach().float()}
         if stateful:
-            state = base.state.get(p, {})
+            state = states.get(p, {})
             for k in keys:
                 t = state[k].detach().clone() if k in state else torch.zeros_like(p)
-                if p in owners:  # the owner broadcasts its shard's state over its ZeRO group
-                    group, owner = owners[p]
+                if p in owner_of:  # the owner broadcasts its shard's state over its ZeRO group
+                    group, owner = owner_of[p]
                     dist.broadcast(t, src=layout.ranks(group)[owner], group=layout.group(group))
                 rec[k] = t
             if "step" in state:
@@ -118,7 +89,7 @@ def load_pipeline_checkpoint(engine, load_dir: str) -> dict[str, Any]:
     """Resume this rank's stages from engine.save's file or a convert-checkpoint folder; every rank calls."""
     from .folder import checkpoint_kind
 
-    layout, (base, keys) = engine.layout, _base(engine.optimizer)
+    layout, keys = engine.layout, state_view(engine.optimizer)[1]
     what = f"engine.load({load_dir!r})"
     if agreed(lambda: checkpoint_kind(load_dir), what) == "sharded":
         return _load_sharded(engine, load_dir)
@@ -127,15 +98,15 @@ def load_pipeline_checkpoint(engine, load_dir: str) -> dict[str, Any]:
     aliases = _aliases(engine)
     parts = agreed(lambda: validated_parts(ck, engine.model, engine._hf, spec, layout, sliced, load_dir,
                                            subset=True, aliases=aliases), what)  # everything checked before any tensor is touched
-    _ensure_state(engine.optimizer, keys, ck["optimizer_step"])
-    states = base.state  # SplitZero: a merged view, built once
+    ensure_state(engine.optimizer, keys, ck["optimizer_step"])
+    states = state_view(engine.optimizer)[0]
     with torch.no_grad():
         for name, p in engine.model.named_parameters():
             rec = parts[name]
             p.copy_(rec["fp32"].to(p.dtype))
             if p in states:  # ZeRO-1: only this rank's shard of the optimizer state lives here
                 for k in keys:
-                    if k in rec:
+                    if k in rec and k in states[p]:  # Muon: a matrix's momentum, other parameters' moments
                         states[p][k].copy_(rec[k])
     return resume_progress(engine, ck)
 
@@ -150,23 +121,23 @@ def _load_sharded(engine, load_dir: str) -> dict[str, Any]:
     rank holds the optimizer state (ZeRO-1: its own parameters)."""
     from .sharded import load_sharded, open_sharded
 
-    base, keys = _base(engine.optimizer)
-    owned = {p for b, _, _ in _parts(engine.optimizer) for g in b.param_groups for p in g["params"]}
+    keys = state_view(engine.optimizer)[1]
+    owned = {p for b, _, _ in parts(engine.optimizer) for g in b.param_groups for p in g["params"]}
     aliases = _aliases(engine)  # the last stage's copy of the word embedding reads the first stage's record
     view = dict(engine.model.named_parameters())
     named = {aliases.get(n, n): p for n, p in view.items()}
     wanted = [(aliases.get(n, n), tuple(p.shape), engine.spec.get(n), ("fp32",) + (keys if p in owned else ()))
               for n, p in view.items()]
     plan = open_sharded(engine, load_dir, wanted, engine._hf, subset=True)
-    _ensure_state(engine.optimizer, keys, plan["progress"]["optimizer_step"])
-    states = base.state  # SplitZero: a merged view, built once
+    ensure_state(engine.optimizer, keys, plan["progress"]["optimizer_step"])
+    states = state_view(engine.optimizer)[0]
 
     @torch.no_grad()
     def apply(name, rec):
         p = named[name]
         p.copy_(rec["fp32"].to(p.dtype))
         for k in keys:
-            if k in rec:
+            if k in rec and k in states[p]:
                 states[p][k].copy_(rec[k])
 
     return resume_progress(engine, load_sharded(engine, plan, apply))
