@@ -75,11 +75,6 @@ def _train(name, save_dir=None):
            "experts": sum(p.numel() for n, p in engine.model.named_parameters() if ".experts." in n),
            "moe_layers": len({n.split(".experts.")[0] for n, _ in engine.model.named_parameters() if ".experts." in n})}
     out["opt"] = type(engine.optimizer).__name__
-    if kw.get("pp", 1) > 1 and kw.get("zero"):  # the split optimizer's checkpoint is refused (pipeline.zero)
-        try:
-            engine.save("unused")
-        except ValueError as e:
-            out["save_refused"] = str(e)
     if save_dir:  # the MTP layer saved under HF DeepSeek-V3's names, loaded back by msp.from_pretrained
         engine.save_pretrained(f"{save_dir}/hf")
         back = msp.from_pretrained(f"{save_dir}/hf", msp.init_parallel(msp.load_config(ds_yaml(**kw))))
@@ -151,7 +146,6 @@ def test_deepseek_v3_matches_single_process(group, tmp_path):
         PARITY[name] = (rel, werr, mrel, arel)
         if kw.get("pp", 1) > 1 and kw.get("zero"):  # dense states over dp, experts over edp (= 1 here: whole)
             assert all(res[name]["opt"] == "SplitZero" for res in results)
-            assert all("not supported yet" in res[name]["save_refused"] for res in results)
         if "reloaded" in r0:
             shape, err, keys = r0["reloaded"]
             assert err is not None and err == 0.0 and keys == ["model.layers.4.enorm.weight"], r0["reloaded"]

@@ -1,7 +1,7 @@
 """Checkpoints of parallel runs, all cut by the one shard spec (msparallel_ds.tensor_parallel.spec):
 
 - format:      the layout-independent training checkpoint file (engine.save / engine.load), atomic writes, reads
-- optim_state: the Adam moments it carries
+- optim_state: the optimizer state it carries (Adam moments, Muon's momentum) and where ZeRO-1 keeps it
 - reshard:     gather tp shards (and pp stages) into full tensors, cut full tensors for a tp rank
 - zero:        save / load for engine.Engine (DeepSpeed ZeRO 0-2)
 - pipeline:    save / load for the pipeline engine

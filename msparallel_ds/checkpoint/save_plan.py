@@ -156,9 +156,6 @@ def format_save_report(plan: "Plan", report: Optional[dict]) -> str:
         return "checkpoint save (engine.save, sharded)  unknown: the YAML gives no model shape"
     rows = report["ranks"]
     note = []
-    if plan.mesh.pp > 1 and plan.zero.stage > 0 and plan.mesh.dp * plan.mesh.cp > 1 and plan.expert_parallel > 1:
-        note.append("note: engine.save refuses pipeline + optimizer parallel + expert parallel today (the figures "
-                    "are what its writer rule would give)")
     out = [f"checkpoint save (engine.save, sharded; fp32 weights + {report['moments']} optimizer moments)",
            f"  whole state on disk                   {_gib(report['total'])}"]
     for key, label in (("weights", "weights written / rank"), ("optimizer", "optimizer written / rank"),

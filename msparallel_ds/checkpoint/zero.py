@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .format import (FILE, agreed, check_model_config, check_names, read_for_layout, record_for, resume_progress,
                      verify_checksums, write_agreed)
-from .optim_state import ensure_adam_state, optimizer_keys
+from .optim_state import ensure_state, optimizer_keys, owners, state_view
 from .reshard import fit, gather
 
 __all__ = ["load_checkpoint", "save_checkpoint", "validated_parts"]
@@ -62,11 +62,13 @@ def _set_frozen(p, value: Tensor, stage: int) -> None:
 def _sharded_records(engine, stage, opt, keys):
     """(name, Shard, {key: tp-local tensor}) of the chunks this rank writes (checkpoint.sharded.writes); at ZeRO 1/2
     every dp rank rebuilds each parameter's tensors in turn (a dp all-reduce of that parameter) and only the
-    writer keeps them."""
+    writer keeps them; under Muon's whole-parameter ZeRO (stage 0) the owner of a parameter's state writes it."""
     from .sharded import writes
 
+    owner_of = owners(_inner_optimizer(engine)) if stage == 0 else {}
     for i, (name, p) in enumerate(engine.model.named_parameters()):
-        shard, mine = engine.spec.get(name), writes(engine.layout, engine.spec.get(name), i)
+        owner = owner_of.get(p, (None, None))[1]
+        shard, mine = engine.spec.get(name), writes(engine.layout, engine.spec.get(name), i, owner)
         # ZeRO 1/2 (trainable) and ZeRO-3 rebuild the record collectively: every dp rank joins, the writer keeps it
         if mine or stage == 3 or (stage > 0 and p.requires_grad):
             rec = _param_record(p, stage, opt, keys)
@@ -80,8 +82,8 @@ def _param_record(p, stage: int, opt, keys) -> dict[str, Tensor]:
 
     if not p.requires_grad:  # frozen (pet_config LoRA): no optimizer copy; the module weight is the value
         return {"fp32": _frozen(p, stage)}
-    if stage == 0:
-        state = opt.state.get(p, {})
+    if stage == 0:  # `opt`: {parameter: state} (state_view: whole-parameter ZeRO keeps it on the owner only)
+        state = opt.get(p, {})
         return {"fp32": p.detach().float(), **{k: state[k] for k in keys if k in state}}
     rec = {"fp32": safe_get_full_fp32_param(p)}
     for k in keys if opt.state else ():  # no Adam state before the first step
@@ -91,9 +93,39 @@ def _param_record(p, stage: int, opt, keys) -> dict[str, Tensor]:
     return rec
 
 
-def _optimizer_step(opt) -> float:
-    steps = [s["step"] for s in opt.state.values() if "step" in s]
-    return float(max(steps)) if steps else 0.0
+def _optimizer_step(engine, stage: int, opt) -> float:
+    steps = [float(s["step"]) for s in (opt if stage == 0 else opt.state).values() if "step" in s]
+    step = torch.tensor(max(steps) if steps else 0.0, device=engine.ds.device)
+    if stage == 0 and owners(_inner_optimizer(engine)):  # whole-parameter ZeRO: a rank may own no AdamW parameter
+        import torch.distributed as dist
+
+        dist.all_reduce(step, op=dist.ReduceOp.MAX)
+    return float(step.item())
+
+
+def _optimizer(engine, stage: int):
+    """(the optimizer, or at stage 0 this rank's {parameter: state}, and the saved keys)."""
+    opt = _inner_optimizer(engine)
+    if stage == 0:
+        return state_view(opt)
+    return opt, optimizer_keys(opt)
+
+
+def _from_owner(engine, p, rec: dict, keys, owner) -> dict:
+    """Whole-parameter ZeRO (single-file save): the owner broadcasts which state tensors it holds, then them."""
+    import torch.distributed as dist
+
+    layout, (group, rank) = engine.layout, owner
+    src, g = layout.ranks(group)[rank], layout.group(group)
+    have = torch.tensor([float(k in rec) for k in keys], device=engine.ds.device)
+    dist.broadcast(have, src=src, group=g)
+    out = {"fp32": rec["fp32"]}
+    for k, flag in zip(keys, have.tolist()):
+        if flag:
+            t = rec[k].detach().clone() if k in rec else torch.empty_like(rec["fp32"], dtype=torch.float32)
+            dist.broadcast(t, src=src, group=g)
+            out[k] = t
+    return out
 
 
 def save_checkpoint(engine, save_dir: str, *, sharded: bool = True, async_save: bool = False,
@@ -104,24 +136,28 @@ def save_checkpoint(engine, save_dir: str, *, sharded: bool = True, async_save: 
     if sharded or async_save or replicas:
         from .sharded import save_sharded
 
-        opt = _inner_optimizer(engine)
-        keys = optimizer_keys(opt)
+        opt, keys = _optimizer(engine, stage)
         if stage > 0 and opt.state:
             _link_optimizer_state(engine)
-        save_sharded(engine, save_dir, _sharded_records(engine, stage, opt, keys), optimizer_step=_optimizer_step(opt),
-                     model=engine.model, async_save=async_save, replicas=replicas)
+        save_sharded(engine, save_dir, _sharded_records(engine, stage, opt, keys),
+                     optimizer_step=_optimizer_step(engine, stage, opt), model=engine.model, async_save=async_save,
+                     replicas=replicas)
         return
-    opt = _inner_optimizer(engine)
-    keys = optimizer_keys(opt)
+    opt, keys = _optimizer(engine, stage)
+    owner_of = owners(_inner_optimizer(engine)) if stage == 0 else {}
     rank0 = layout.global_rank == 0
     if stage > 0 and opt.state:
         _link_optimizer_state(engine)
     params: dict[str, dict[str, Tensor]] = {}
     for name, p in engine.model.named_parameters():
-        rec = {k: gather(v, spec.get(name), layout) for k, v in _param_record(p, stage, opt, keys).items()}
+        rec = _param_record(p, stage, opt, keys)
+        if p in owner_of:
+            rec = _from_owner(engine, p, rec, keys, owner_of[p])
+        rec = {k: gather(v, spec.get(name), layout) for k, v in rec.items()}
         if rank0:
             params[name] = {k: v.detach().to("cpu", copy=True) for k, v in rec.items()}
-    record = record_for(engine, params, _optimizer_step(opt), engine.model) if rank0 else None
+    step = _optimizer_step(engine, stage, opt)
+    record = record_for(engine, params, step, engine.model) if rank0 else None
     write_agreed(record, os.path.join(save_dir, FILE), engine.ds.device)  # every rank learns whether it was written
 
 
@@ -156,10 +192,10 @@ def load_checkpoint(engine, load_dir: str) -> dict[str, Any]:
     layout, what = engine.layout, f"engine.load({load_dir!r})"
     ck, sliced = agreed(lambda: read_for_layout(load_dir, layout), what)  # a bad folder: an error on every rank
     stage, spec = _check_stage(engine), engine.spec
-    opt = _inner_optimizer(engine)
-    keys = optimizer_keys(opt)
+    keys = _optimizer(engine, stage)[1]
     parts = agreed(lambda: validated_parts(ck, engine.model, engine.model, spec, layout, sliced, load_dir), what)
-    ensure_adam_state(opt, keys, ck["optimizer_step"])
+    ensure_state(_inner_optimizer(engine), keys, ck["optimizer_step"])
+    opt = _optimizer(engine, stage)[0]  # at stage 0 the states just made
     if stage > 0:  # DeepSpeed would link each parameter to its slice of the flat Adam state at the first step; now
         _link_optimizer_state(engine)
     named = dict(engine.model.named_parameters())
@@ -177,10 +213,11 @@ def _apply(engine, stage, opt, keys, p, rec) -> None:
         _set_frozen(p, rec["fp32"], stage)
         return
     p.copy_(rec["fp32"].to(p.dtype))  # the module weight (ZeRO 1/2 keep it whole on every dp rank)
-    if stage == 0:
+    if stage == 0:  # `opt`: {parameter: state}; whole-parameter ZeRO holds only the owner's, Muon a matrix's
+        state = opt.get(p, {})  # momentum or another parameter's moments
         for k in keys:
-            if k in rec:
-                opt.state[p][k].copy_(rec[k])
+            if k in rec and k in state:
+                state[k].copy_(rec[k])
     else:
         safe_set_full_fp32_param(p, rec["fp32"].to(p.device))
         for k in keys:
@@ -192,12 +229,16 @@ def _load_sharded(engine, load_dir: str) -> dict[str, Any]:
     """Resume from a sharded (DCP) save: checks on every rank, then this rank's chunks under this layout."""
     from .sharded import load_sharded, open_sharded
 
-    stage, opt = _check_stage(engine), _inner_optimizer(engine)
-    keys = optimizer_keys(opt)
+    stage = _check_stage(engine)
+    keys = _optimizer(engine, stage)[1]
     named = dict(engine.model.named_parameters())
-    wanted = [(n, tuple(p.shape), engine.spec.get(n), ("fp32",) + keys) for n, p in named.items()]
+    held = owners(_inner_optimizer(engine)) if stage == 0 else {}  # whole-parameter ZeRO: the owner loads the state
+    mine = {p for p, (group, rank) in held.items() if engine.layout.rank(group) == rank}
+    wanted = [(n, tuple(p.shape), engine.spec.get(n), ("fp32",) + (keys if p not in held or p in mine else ()))
+              for n, p in named.items()]
     plan = open_sharded(engine, load_dir, wanted, engine.model)
-    ensure_adam_state(opt, keys, plan["progress"]["optimizer_step"])
+    ensure_state(_inner_optimizer(engine), keys, plan["progress"]["optimizer_step"])
+    opt = _optimizer(engine, stage)[0]
     if stage > 0:
         _link_optimizer_state(engine)
     progress = load_sharded(engine, plan, lambda name, rec: _apply(engine, stage, opt, keys, named[name], rec))

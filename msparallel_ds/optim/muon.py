@@ -198,6 +198,8 @@ def zero_for_muon(opt: torch.optim.Optimizer, layout, ds_config: dict) -> torch.
         return opt
     ds_config["zero_optimization"] = {"stage": 0}
     experts = layout.size("ep") > 1
+    if experts:  # DeepSpeed's ZeRO-0 clip averages per-rank norms (experts differ): engine.Engine clips with the
+        ds_config["gradient_clipping"] = 0.0  # global norm instead, as runtime.deepspeed_config arranges for ZeRO-0
     if layout.size("dp_cp") == 1 and not experts:
         return opt
     from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -302,25 +302,14 @@ class PipelineEngine:
             clean_saved_config(save_dir, total)
         dist.barrier()
 
-    def _check_checkpointable(self, what: str) -> None:
-        plan, lay = self.plan, self.layout  # decided from the layout: a stage without experts must refuse as well
-        if plan.config.parallel.enable_parallel_optimizer and lay.size("dp_cp") > 1 and lay.size("ep") > 1:
-            raise ValueError(f"engine.{what} with pipeline_stage > 1, parallel.enable_parallel_optimizer and "
-                             f"expert_parallel={self.layout.size('ep')}: the checkpoint writer knows one optimizer-"
-                             "parallel group (dp x cp), this optimizer shards experts over expert data parallel; "
-                             "not supported yet. Train with enable_parallel_optimizer: false to checkpoint, or use "
-                             "engine.save_pretrained for the weights")
-
     def save(self, save_dir: str, *, sharded: bool = True, async_save: bool = False, replicas: int = 0) -> None:
         """The layout-independent checkpoint of msparallel_ds.checkpoint (loads under any layout); sharded /
         async_save / replicas as engine.Engine.save."""
-        self._check_checkpointable("save")
         from ..checkpoint.pipeline import save_pipeline_checkpoint
 
         save_pipeline_checkpoint(self, save_dir, sharded=sharded, async_save=async_save, replicas=replicas)
 
     def load(self, load_dir: str) -> dict:
-        self._check_checkpointable("load")
         from ..checkpoint.pipeline import load_pipeline_checkpoint
 
         return load_pipeline_checkpoint(self, load_dir)

@@ -40,9 +40,10 @@ class SplitZero(torch.optim.Optimizer):
             part.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
-        raise ValueError("pipeline_stage > 1 with optimizer parallel and expert_parallel > 1: the optimizer state is "
-                         "sharded over two groups (dense over data_parallel x context_parallel, experts over expert "
-                         "data parallel); save with engine.save")
+        raise ValueError("optimizer.state_dict() with pipeline_stage > 1 (or Muon), optimizer parallel and "
+                         "expert_parallel > 1: the state is sharded over two groups (dense over data_parallel x "
+                         "context_parallel, experts over expert data parallel) and no rank holds it whole; checkpoint "
+                         "with engine.save / engine.load, which write and read every parameter's state once")
 
     def load_state_dict(self, state_dict):
         self.state_dict()
