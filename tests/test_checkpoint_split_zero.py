@@ -57,7 +57,7 @@ def _run(rank, world, root):
         out[first] = {"opt": type(engine.optimizer).__name__}
         _steps(engine, 0, 2)
         engine.save(os.path.join(root, first, "sharded"), sharded=True)
-        engine.save(os.path.join(root, first, "file"))
+        engine.save(os.path.join(root, first, "file"), sharded=False)
         out[first]["whole"] = _steps(engine, 2, 4)
         for key, name, ckpt in (("same", resumed[0], "sharded"), ("other", resumed[1], "sharded"),
                                 ("file", resumed[0], "file")):
