@@ -50,6 +50,7 @@ class DecoderAdapter:
     model_types: tuple[str, ...] = ()
     prefix = "model"                               # base model attribute (HF base_model_prefix)
     sequence_parallel_children: tuple[str, ...] = ()  # children of a layer that run on the SP sequence slice
+    layers_name = "layers"  # the decoder-layer list's attribute on the base model (GPT-2: h)
     mindformers_names: dict[str, list[str]] = {}  # HF name inside a layer -> MindFormers cell names
     mindformers_top_names: dict[str, list[str]] = {}  # the same for modules outside the layers (the head)
     mindformers_mtp = False  # MindFormers checkpoints hold MTP layers (num_nextn_predict_layers; models/mtp.py)
@@ -128,7 +129,7 @@ class DecoderAdapter:
         """Parameter names in the HF model's order. A pipeline checkpoint lists each pp rank's stages in turn, so
         with virtual stages its decoder layers come out as 0, 2, 1, 3: they go back, ascending, into the slots the
         layers occupy; other names keep their places."""
-        rx = re.compile(rf"{re.escape(self.prefix)}\.layers\.(\d+)\.")
+        rx = re.compile(rf"{re.escape(self.prefix)}\.{self.layers_name}\.(\d+)\.")
         names = list(names)
         slots = [i for i, n in enumerate(names) if rx.match(n)]
         ordered = sorted(slots, key=lambda i: (int(rx.match(names[i]).group(1)), i))
@@ -165,7 +166,7 @@ class DecoderAdapter:
         return {}
 
     def layer_count(self, model: nn.Module) -> int:
-        return len(self.base(model).layers)
+        return len(getattr(self.base(model), self.layers_name))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(self.architectures)})"

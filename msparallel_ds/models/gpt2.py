@@ -43,6 +43,7 @@ class Gpt2Family(DecoderAdapter):
     architectures = ("GPT2LMHeadModel",)
     model_types = ("gpt2",)
     prefix = "transformer"
+    layers_name = "h"
     sequence_parallel_children = ("ln_1", "ln_2")
     # MindFormers' GPTTransformerDecoderLayer cells (modules/transformer/transformer.py)
     mindformers_names = {"attn": ["attention"], "mlp": ["output"], "ln_1": ["layernorm1"], "ln_2": ["layernorm2"],
@@ -56,9 +57,6 @@ class Gpt2Family(DecoderAdapter):
         if isinstance(part, StageModule):
             return [(int(i), layer) for i, layer in part.body.h.items()]
         return list(enumerate(self.base(part).h))
-
-    def layer_count(self, model: nn.Module) -> int:
-        return len(self.base(model).h)
 
     def output_head(self, part: nn.Module) -> Optional[nn.Module]:
         return getattr(part, "lm_head", None)
@@ -106,16 +104,6 @@ class Gpt2Family(DecoderAdapter):
 
     def merge_stages(self, stages: list) -> nn.Module:
         return Gpt2Stage.merged(stages)
-
-    def parameter_order(self, names) -> list[str]:
-        rx = re.compile(rf"{re.escape(self.prefix)}\.h\.(\d+)\.")
-        names = list(names)
-        slots = [i for i, n in enumerate(names) if rx.match(n)]
-        ordered = sorted(slots, key=lambda i: (int(rx.match(names[i]).group(1)), i))
-        out = list(names)
-        for slot, i in zip(slots, ordered):
-            out[slot] = names[i]
-        return out
 
     def mindformers_weights(self, config: Any, *, legacy: bool, qkv_interleaved: bool = True,
                             fc1_interleaved: bool = True) -> list[WeightOp]:
