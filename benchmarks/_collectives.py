@@ -7,7 +7,6 @@ the payload the caller hands over, not the bytes on the wire.
 """
 from __future__ import annotations
 
-import functools
 from contextlib import contextmanager
 
 OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
@@ -41,30 +40,14 @@ def _group_size(kwargs, args) -> int:
 @contextmanager
 def count_collectives():
     """Yields a dict filled while the block runs: "op@group_size" -> [calls, bytes]."""
-    import torch.distributed as dist
+    from msparallel_ds.distributed.instruments import tapped_collectives
 
     counts: dict = {}
-    depth = [0]
-    originals = {op: getattr(dist, op) for op in OPS if hasattr(dist, op)}
 
-    def wrap(op, fn):
-        @functools.wraps(fn)
-        def counted(*args, **kwargs):
-            if depth[0] == 0:
-                entry = counts.setdefault(f"{op}@{_group_size(kwargs, args)}", [0, 0])
-                entry[0] += 1
-                entry[1] += _payload_bytes(args, kwargs)
-            depth[0] += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-        return counted
+    def on_call(op, args, kwargs):
+        entry = counts.setdefault(f"{op}@{_group_size(kwargs, args)}", [0, 0])
+        entry[0] += 1
+        entry[1] += _payload_bytes(args, kwargs)
 
-    for op, fn in originals.items():
-        setattr(dist, op, wrap(op, fn))
-    try:
+    with tapped_collectives(on_call, OPS):
         yield counts
-    finally:
-        for op, fn in originals.items():
-            setattr(dist, op, fn)

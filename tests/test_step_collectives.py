@@ -4,14 +4,13 @@ silently add collectives again.
 Every torch.distributed call of one train_batch (after a warm-up step) is attributed to the innermost frame of ours
 (outside msparallel_ds/distributed/, the helpers) or of DeepSpeed. The step-level ones, made by the engine, the loss
 module and the cp attention's peer check, must be exactly two per step on every layout: one carrying the global
-token count (with the tp / cp / pp batch agreement folded in when those peers exist) and one summing the step's
-loss (with ZeRO-0's finite-gradient flag folded in at tp 1). Before the fold, dp4 ZeRO-0 made 3 (plus the flag's
-all-reduce), dp2 x tp2 made 3 (a tp all-gather, the dp count, the loss) and dp2 x cp2 made 7 (plus a cp all-gather
-per attention call, 4 layers); this test failed there. The guards still catch what they caught
-(tests/test_hardening_inputs.py); here also a dp rank whose peers agree stops with the one whose peers do not, and
-NaN gradients on one rank under ZeRO-0 stop every rank before the update.
+token count (with the tp / cp / pp batch agreement folded in when those peers exist) and one summing the step's loss
+(ZeRO-0's finite-gradient check reads the global norm, which at tp 1 needs no collective). Before the fold, dp4
+ZeRO-0 made 3 (plus the flag's all-reduce), dp2 x tp2 made 3 (a tp all-gather, the dp count, the loss) and dp2 x cp2
+made 7 (plus a cp all-gather per attention call, 4 layers); this test failed there. The guards still catch what they
+caught (tests/test_hardening_inputs.py); here also a dp rank whose peers agree stops with the one whose peers do
+not, and NaN gradients on one rank under ZeRO-0 stop every rank before the update.
 """
-import functools
 import os
 import sys
 
@@ -19,9 +18,6 @@ import pytest
 from engine_cases import global_batch, tiny_config, tiny_model
 from harness import run_distributed
 
-OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
-       "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "all_to_all", "all_to_all_single",
-       "barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_object", "broadcast_object_list")
 STEP_LEVEL = ("msparallel_ds/engine.py", "msparallel_ds/loss.py", "msparallel_ds/context_parallel/api.py")
 
 
@@ -41,31 +37,16 @@ def _owner() -> str:
 
 def _counted(step) -> dict:
     """{owner: calls} of torch.distributed collectives made by step() (nested calls count once)."""
-    import torch.distributed as dist
+    from msparallel_ds.distributed.instruments import tapped_collectives
 
-    counts, depth = {}, [0]
-    originals = {op: getattr(dist, op) for op in OPS if hasattr(dist, op)}
+    counts = {}
 
-    def wrap(fn):
-        @functools.wraps(fn)
-        def counted(*args, **kwargs):
-            if depth[0] == 0:
-                owner = _owner()
-                counts[owner] = counts.get(owner, 0) + 1
-            depth[0] += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-        return counted
+    def on_call(op, args, kwargs):
+        owner = _owner()
+        counts[owner] = counts.get(owner, 0) + 1
 
-    for op, fn in originals.items():
-        setattr(dist, op, wrap(fn))
-    try:
+    with tapped_collectives(on_call):
         step()
-    finally:
-        for op, fn in originals.items():
-            setattr(dist, op, fn)
     return counts
 
 

@@ -4,20 +4,22 @@ All off by default: the collectives call the hooks below, which cost one `is Non
 `recording()` logs issue / wait / compute / sync events with the copy id and phase (fwd/bwd) for the order tests;
 `modelled_link(alpha, bw)` floors every collective's completion at alpha + bus_bytes / bw after its start by
 sleeping (no CPU), so overlap can be measured on a machine whose real link shares the cores with compute;
-`comm_stats()` counts the collectives that completed.
+`comm_stats()` counts the collectives that completed; `tapped_collectives(on_call)` reports every torch.distributed
+call a block makes (anyone's, DeepSpeed's included), for the benchmarks' and tests' counters.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["record", "recording", "modelled_link", "comm_stats", "current_copy", "current_log", "active_copy",
-           "is_recording", "bus_bytes", "sync_start", "sync_done", "issue_clock", "async_started", "wait_clock",
-           "async_finished"]
+__all__ = ["record", "recording", "modelled_link", "comm_stats", "tapped_collectives", "current_copy",
+           "current_log", "active_copy", "is_recording", "bus_bytes", "sync_start", "sync_done", "issue_clock",
+           "async_started", "wait_clock", "async_finished"]
 
 
 class _State:
@@ -54,6 +56,45 @@ def recording():
         yield _state.log
     finally:
         _state.log = prev
+
+
+# the torch.distributed entry points tapped_collectives wraps (those absent from this torch are skipped)
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+               "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "all_to_all",
+               "all_to_all_single", "barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+               "all_gather_object", "broadcast_object_list")
+
+
+@contextlib.contextmanager
+def tapped_collectives(on_call: Callable[[str, tuple, dict], None], ops: tuple[str, ...] = COLLECTIVES):
+    """While the block runs, on_call(op, args, kwargs) before each torch.distributed call of `ops`; nested calls
+    (a collective of torch.distributed calling another) report once, at the outermost entry point. The module
+    attributes are patched, so callers that bound a function earlier (`from torch.distributed import x`) are not
+    seen. Not for timed code: the wrapper costs some Python per call."""
+    import torch.distributed as dist
+
+    depth = [0]
+    originals = {op: getattr(dist, op) for op in ops if hasattr(dist, op)}
+
+    def wrap(op, fn):
+        @functools.wraps(fn)
+        def tapped(*args, **kwargs):
+            if depth[0] == 0:
+                on_call(op, args, kwargs)
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return tapped
+
+    for op, fn in originals.items():
+        setattr(dist, op, wrap(op, fn))
+    try:
+        yield
+    finally:
+        for op, fn in originals.items():
+            setattr(dist, op, fn)
 
 
 @contextlib.contextmanager
