@@ -245,15 +245,13 @@ class PipelineEngine:
         self._parts = []  # per loss_fn call: (LM loss, MTP depth sums); a first step's shape inference adds one
         for stage in self.stages:
             stage.submod.train()
-        losses: list = []
         args = (ids,) if self.holds_first else ()
         target = targets if self.holds_last else None
-        # return_outputs=False: the step needs only the losses; merging the last stage's logits (and keeping every
-        # micro-batch's until the step ends) would cost memory and time for nothing
+        # return_outputs=False: the step needs only the losses, which _loss_fn keeps in self._parts (the schedule's
+        # own list is not asked for); merging the last stage's logits would cost memory and time for nothing
         agreed = self.layout.size("cp") > 1 and getattr(self, "check_batch_agreement", True)  # (check_batch_and_count)
         with inputs_agreed(self.layout, agreed):
-            self.schedule.step(*args, target=target, losses=losses if self.holds_last else None,
-                               return_outputs=False, **kwargs)
+            self.schedule.step(*args, target=target, losses=None, return_outputs=False, **kwargs)
         parts = self._parts[len(self._parts) - self.plan.micro_batch_num:] if self.holds_last else []
         total = torch.zeros((), dtype=torch.float32, device=self.device)  # the LM part of the losses
         for lm, _ in parts:
