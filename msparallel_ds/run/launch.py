@@ -69,7 +69,9 @@ def run(args) -> dict:
     _precheck(spec)
     if "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
         from .trainer import Trainer
-        return Trainer(spec).train()
+        result = Trainer(spec).train()
+        runtime.teardown()  # live groups at interpreter exit can abort a rank (SIGABRT) after the last step
+        return result
     pc = spec.raw.get("parallel_config") or {}
     world = args.nproc or (int(pc.get("data_parallel", 1)) * int(pc.get("model_parallel", 1))
                            * int(pc.get("context_parallel", 1)) * int(pc.get("pipeline_stage", 1)))
