@@ -94,18 +94,18 @@ def _suggest_parser(sub) -> None:
     g.add_argument("--format", choices=("table", "json"), default="table")
 
 
-def _plan(path: str, world_size: Optional[int], device_memory_gib: Optional[float] = None):
+def _plan(path: str, world_size: Optional[int], device_memory_gib: Optional[float] = None, report: bool = False):
     from .plan import make_plan
     from .suggest.auto import load_config_auto
 
     # parallel_mode: 2 (auto_parallel): the strategy suggest chooses, with a warning saying which
     cfg = load_config_auto(Path(path), world_size=world_size,
                            device_memory_bytes=device_memory_gib * 2**30 if device_memory_gib else None)
-    return make_plan(cfg, world_size=world_size)
+    return make_plan(cfg, world_size=world_size, report=report)
 
 
 def _cmd_plan(args) -> int:
-    plan = _plan(args.file, args.world_size, args.device_memory)
+    plan = _plan(args.file, args.world_size, args.device_memory, report=True)
     if args.format == "json":
         print(plan.to_json())
     else:

@@ -166,8 +166,9 @@ class Plan:
         return to_accelerate(self, **kwargs)
 
 
-def make_plan(cfg: ParallelConfig | Any, world_size: Optional[int] = None) -> Plan:
-    """Derive the Plan. `cfg` may be a ParallelConfig or anything load_config accepts."""
+def make_plan(cfg: ParallelConfig | Any, world_size: Optional[int] = None, *, report: bool = False) -> Plan:
+    """Derive the Plan. `cfg` may be a ParallelConfig or anything load_config accepts. `report` (the `plan`
+    command): a global batch that a run refuses becomes a note and the nearest valid batch is planned."""
     if not isinstance(cfg, ParallelConfig):
         from .config.mindformers import load_config
 
@@ -185,7 +186,7 @@ def make_plan(cfg: ParallelConfig | Any, world_size: Optional[int] = None) -> Pl
     else:
         mbn, gas = 1, cfg.runner_config.gradient_accumulation_steps
         global_batch = bs * mesh.dp * mbi * gas
-    pynative = pynative_batch(cfg, mesh.dp, pp)  # MindFormers 2.1 `training:`
+    pynative = pynative_batch(cfg, mesh.dp, pp, notes if report else None)  # MindFormers 2.1 `training:`
     if pynative is not None:
         mbn, gas, global_batch = pynative
     sp = cfg.parallel_config.use_seq_parallel and tp > 1

@@ -10,28 +10,40 @@ from .config.schema import ParallelConfig
 PARAM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def pynative_batch(cfg: ParallelConfig, dp: int, pp: int) -> Optional[tuple[int, int, int]]:
+def pynative_batch(cfg: ParallelConfig, dp: int, pp: int,
+                   notes: Optional[list[str]] = None) -> Optional[tuple[int, int, int]]:
     """(micro_batch_num, gradient_accumulation_steps, global batch) as the pynative trainer derives them
     (trainer.py _compute_data_parallel_size): accumulation = global_batch_size / (data_parallel x local_batch_size),
-    and with pipeline_parallel > 1 those are the pipeline's micro-batches (pipeline_parallel_microbatch_size)."""
+    and with pipeline_parallel > 1 those are the pipeline's micro-batches (pipeline_parallel_microbatch_size).
+    A batch MindFormers refuses (trainer.py:595-601) is an error; with `notes` (the `plan` command, which reports a
+    layout rather than starts it) it becomes a note saying the run refuses it, and the nearest valid batch is planned."""
     t = cfg.training
     if cfg.parallelism is None or t is None:
         return None
     base = dp * t.local_batch_size
     gbs = t.global_batch_size or base
+    issue = None
     if gbs % base:
         fix = f"use a multiple of {base}" + (f" (e.g. {base * max(1, round(gbs / base))})" if gbs > base else "")
-        raise ConfigError([ConfigIssue("training.global_batch_size", gbs, f"must be divisible by data_parallel({dp}) "
-                                       f"x training.local_batch_size({t.local_batch_size}) = {base} (MindFormers 2.1: "
-                                       "data_parallel = world_size // (tensor x context x pipeline parallel))",
-                                       fix + ", or launch a world size whose data_parallel divides it")])
+        issue = ConfigIssue("training.global_batch_size", gbs, f"must be divisible by data_parallel({dp}) "
+                            f"x training.local_batch_size({t.local_batch_size}) = {base} (MindFormers 2.1: "
+                            "data_parallel = world_size // (tensor x context x pipeline parallel))",
+                            fix + ", or launch a world size whose data_parallel divides it")
+        valid = base * -(-gbs // base)
+    elif pp > 1 and gbs // base < pp:
+        issue = ConfigIssue("training.global_batch_size", gbs, f"gives {gbs // base} pipeline micro-batches "
+                            f"(global / (data_parallel {dp} x local_batch_size "
+                            f"{t.local_batch_size})), fewer than parallelism.pipeline_parallel={pp}",
+                            f"use at least {base * pp}")
+        valid = base * pp
+    if issue is not None:
+        if notes is None:
+            raise ConfigError([issue])
+        notes.append(f"{issue.key}={gbs} {issue.rule}: a run refuses it (as MindFormers 2.1 does); planned with "
+                     f"the nearest valid global batch {valid} (fix: {issue.fix})")
+        gbs = valid
     accum = gbs // base
     if pp > 1:
-        if accum < pp:
-            raise ConfigError([ConfigIssue("training.global_batch_size", gbs, f"gives {accum} pipeline micro-batches "
-                                           f"(global / (data_parallel {dp} x local_batch_size "
-                                           f"{t.local_batch_size})), fewer than parallelism.pipeline_parallel={pp}",
-                                           f"use at least {base * pp}")])
         return accum, 1, gbs
     return 1, accum, gbs
 

@@ -9,6 +9,7 @@ The four wheel deepseek4 configs, scaled to the tiny model (scaled_v4), train wi
 dense over dp, experts over edp) like one process. What the family does not run (tp, cp, MTP, multi-copy,
 MindFormers weight names) is refused with the key to change."""
 import contextlib
+import json
 import warnings
 from pathlib import Path
 
@@ -216,8 +217,9 @@ class _Layout:
 
 def test_unsupported_combinations_name_their_key(capsys):
     """tp, cp, MTP, multi-copy and MindFormers weight names: one clear error each, naming the YAML key; the wheel
-    configs as written plan at their own world size and refuse 64 ranks naming training.global_batch_size (MindFormers
-    2.1: 8 or 16 samples cannot split over data_parallel 64; test_pynative_config.py plans them with a larger one)."""
+    configs as written plan at their own world size and at 64 ranks, where `plan` notes that a run refuses their
+    global batch (MindFormers 2.1: 8 or 16 samples cannot split over data_parallel 64; test_pynative_config.py checks
+    that msp.make_plan without report=True refuses it) and plans the nearest valid batch, 64."""
     from msparallel_ds.cli import main
     from msparallel_ds.models import adapter_for
     from msparallel_ds.strategy import Interleave, Options
@@ -239,8 +241,10 @@ def test_unsupported_combinations_name_their_key(capsys):
             call()
         assert key in str(ei.value) and "DeepSeek-V4" in str(ei.value), str(ei.value)
     for name in V4:
-        assert main(["plan", str(FIXTURES / name), "--world-size", "64"]) != 0
-        assert "training.global_batch_size" in capsys.readouterr().err
+        assert main(["plan", str(FIXTURES / name), "--world-size", "64", "--format", "json"]) == 0
+        at64 = json.loads(capsys.readouterr().out)
+        assert at64["world_size"] == 64 and at64["global_batch_size"] == 64, at64
+        assert any(n.startswith("training.global_batch_size=") and "a run refuses it" in n for n in at64["notes"])
         world = 16 if name == V4[3] else 8
         assert main(["plan", str(FIXTURES / name), "--world-size", str(world), "--format", "json"]) == 0
         assert '"expert_parallel": 8' in capsys.readouterr().out
