@@ -43,7 +43,7 @@ consecutive ranks folded out of dp x cp x tp), and pipeline neighbours are d*c*t
              CPU run), a waiting rank's core goes to the others: the step is the longer of the busiest rank's path
              at a whole core (K/world x busy x (1 + f)) and the total work (busy): bubble = max(0, that - busy).
 - latency  every collective call pays alpha = links.latency, once per multi-copy (mbi) copy: tp 8 per layer,
-             ring 3 (r-1) + 2 (cp's per-call agreement check), Ulysses 8, ep 4, pp 2 v per micro-batch, ZeRO-3 3
+             ring 3 (r-1) (the engines check cp peers' inputs once per step, not per call), Ulysses 8, ep 4, pp 2 v per micro-batch, ZeRO-3 3
              per parameter tensor (DeepSpeed gathers and reduce-scatters each tensor on its own; ~9 tensors a
              layer) and micro-batch. On a shared
              machine calibrate measures alpha between matmuls on every rank (what a training step sees), not idle.
@@ -147,7 +147,7 @@ def step_cost(spec: "ModelSpec", lay: "Layout", plan: "Plan", links: Links) -> d
             y = 2 * b * (s / c) * spec.kv_dim * B / min(t, spec.kv_heads)
             ring = 3 * (r - 1) * (y / links.bw(c * t) + alpha * lay.mbi)
             hidden = 0.0 if links.shared_cores else attn_mb  # ranks sharing cores overlap nothing
-            cp += max(0.0, ring - hidden) + 2 * alpha * lay.mbi  # + cp's per-call agreement check
+            cp += max(0.0, ring - hidden)
         if u > 1:
             z = 2 * (u - 1) / u * b * (s / c) * (h + spec.kv_dim) * B / t
             cp += z / links.bw(u * t) + 8 * alpha * lay.mbi
