@@ -43,9 +43,9 @@ consecutive ranks folded out of dp x cp x tp), and pipeline neighbours are d*c*t
              CPU run), a waiting rank's core goes to the others: the step is the longer of the busiest rank's path
              at a whole core (K/world x busy x (1 + f)) and the total work (busy): bubble = max(0, that - busy).
 - latency  every collective call pays alpha = links.latency, once per multi-copy (mbi) copy: tp 8 per layer,
-             ring 3 (r-1) (the engines check cp peers' inputs once per step, not per call), Ulysses 8, ep 4, pp 2 v per micro-batch, ZeRO-3 3
-             per parameter tensor (DeepSpeed gathers and reduce-scatters each tensor on its own; ~9 tensors a
-             layer) and micro-batch. On a shared
+             ring 3 (r-1) (the engines check cp peers' inputs once per step, not per call), Ulysses 8, ep 4,
+             pp 2 v per micro-batch, ZeRO-3 3 per parameter tensor (DeepSpeed gathers and reduce-scatters each
+             tensor on its own; ~9 tensors a layer) and micro-batch. On a shared
              machine calibrate measures alpha between matmuls on every rank (what a training step sees), not idle.
 - shared cores (links.shared_cores > 0, a CPU run): collectives run on the cores the compute uses, so the
              overlaps above (dp with the backward, ring with attention, ZeRO-3 gathers with compute) do not happen.
