@@ -17,7 +17,13 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor, nn
 
+from ..checkpoint.weight_map import Rename
 from .stage import StageModule
+
+# mcore (MindFormers 2.x) top-level tensors, the same in every family: word embedding, final norm, output layer.
+MCORE_TOP = (Rename("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+             Rename("decoder.final_layernorm.weight", "model.norm.weight"),
+             Rename("output_layer.weight", "lm_head.weight"))
 
 __all__ = ["DecoderAdapter", "InterleavedLayers", "LayerParts"]
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..checkpoint.weight_map import ConcatSized, Experts, FusedGateUp, Rename, State, WeightOp, at
+from .base import MCORE_TOP
 from .moe import MoEFamily
 
 __all__ = ["DeepseekV3Family"]
@@ -135,6 +136,4 @@ def mcore_deepseek_ops(config: Any, fc1_interleaved: bool) -> list[WeightOp]:
                 Rename(mf + "eh_proj.weight", hf + "eh_proj.weight"),
                 Rename(mf + "final_layernorm.weight", hf + "shared_head.norm.weight")]
         mtp += [at(op, mf + "transformer_layer.", hf) for op in layer]
-    return mtp + layer + [Rename("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-                          Rename("decoder.final_layernorm.weight", "model.norm.weight"),
-                          Rename("output_layer.weight", "lm_head.weight")]
+    return mtp + layer + list(MCORE_TOP)

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ..checkpoint.weight_map import FusedQKV, Rename, WeightOp
-from .base import LayerParts
+from .base import MCORE_TOP, LayerParts
 from .llama import LlamaFamily, mcore_dense_ops
 from .moe import MoEFamily
 
@@ -226,9 +226,7 @@ def _experts(cfg) -> int:
 
 def _mcore_glm4_moe_ops(experts: int) -> list[WeightOp]:
     mf, hf = "decoder.layers.{L}.", _HF
-    ops = [Rename("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-           Rename("decoder.final_layernorm.weight", "model.norm.weight"),
-           Rename("output_layer.weight", "lm_head.weight"),
+    ops = [*MCORE_TOP,
            Rename(mf + "input_layernorm.weight", hf + "input_layernorm.weight"),
            Rename(mf + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"),
            Rename(mf + "self_attention.linear_proj.weight", hf + "self_attn.o_proj.weight"),

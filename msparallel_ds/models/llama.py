@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from ..checkpoint.rope import legacy_rope_parameters
 from ..checkpoint.weight_map import FusedGateUp, FusedQKV, Rename, WeightOp
-from .base import DecoderAdapter, LayerParts
+from .base import MCORE_TOP, DecoderAdapter, LayerParts
 from .stage import StageModule
 
 __all__ = ["LlamaFamily"]
@@ -177,9 +177,7 @@ def mcore_dense_ops(qkv_interleaved: bool, fc1_interleaved: bool, *, mlp: bool =
     is interleaved row by row (ConcatConvertOp, :200-260) while use_interleaved_weight_layout_mlp (:234, default
     True)."""
     mf = "decoder.layers.{L}."
-    ops = [Rename("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-           Rename("decoder.final_layernorm.weight", "model.norm.weight"),
-           Rename("output_layer.weight", "lm_head.weight"),
+    ops = [*MCORE_TOP,
            Rename(mf + "self_attention.linear_proj.weight", _HF + "self_attn.o_proj.weight"),
            Rename(mf + "self_attention.q_layernorm.weight", _HF + "self_attn.q_norm.weight"),
            Rename(mf + "self_attention.k_layernorm.weight", _HF + "self_attn.k_norm.weight"),
