@@ -1,11 +1,13 @@
 """Tensor parallel for DeepSeek-V4 (models/deepseek4_tp.py: heads, sinks and the grouped output projection split;
 the shared kv head, compressors and lightning indexer replicated; MoE on each tp rank's sequence slice with the hash
 routers' input ids cut alike; hyper-connections replicated) through msp.initialize on 4 gloo processes equals one
-process on the whole global batch (tests/deepseek4_cases.py): per-step losses over 3 AdamW steps (relative <= 1e-6),
-aux losses (<= 1e-5), final weights gathered over tp and ep (max |d| relative to max(max |w|, 1) <= 1e-5) and, on the
-every step, the global gradient norm the engine measured (tp shards counted once, replicas once). Layouts: tp2 x dp2
-x ep2 with ZeRO-2, vocab-parallel head and the seq aux loss + expert bias; tp2 x dp2 x ep2 with sequence parallel
-and full recompute; tp2 x pp2 (1F1B, 3 hash layers, so stage 1 hash-routes layer 2 on its sequence slice)."""
+process on the whole global batch (tests/deepseek4_cases.py: sliding, compressed sparse + indexer, heavily
+compressed, sliding layers): per-step losses over 3 AdamW steps (relative <= 1e-6), aux losses (<= 1e-5), the global
+gradient norm the engine measured at every step (<= 1e-5: tp shards and replicas each counted once) and the final
+weights gathered over tp and ep (max |d| relative to max(max |w|, 1) <= 1e-5). Layouts: tp2 x dp2 x ep2 with ZeRO-2,
+a vocab-parallel embedding and head, 2 sequences per micro-batch, the seq aux loss and the expert bias; tp2 x pp2 x
+ep2 with sequence parallel, full recompute and 1F1B over 4 micro-batches (3 hash layers, so stage 1 hash-routes layer
+2 on its sequence slice of the ids it is passed)."""
 import pytest
 
 pytest.importorskip("transformers.models.deepseek_v4", reason="HF DeepseekV4ForCausalLM needs transformers >= 5.24")
@@ -21,8 +23,9 @@ MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_aux_loss_coeff=AUX,
            moe_router_bias_update_rate=RATE, norm_topk_prob=True, routed_scaling_factor=1.5)
 LAYOUTS = {  # name -> (ep_yaml kwargs, v4_config overrides)
     "tp2xdp2_ep2_zero2_vocab": (dict(dp=2, tp=2, ep=2, zero=2, bs=2, vocab_dp=False, moe=MOE), {}),
-    "tp2xdp2_ep2_sp_recompute": (dict(dp=2, tp=2, ep=2, zero=1, sp=True, recompute=True, moe=MOE), {}),
-    "tp2xpp2_ep2_1f1b_hash3": (dict(dp=1, tp=2, ep=2, zero=0, pp=2, moe=MOE), dict(num_hash_layers=3)),
+    # 1F1B over 4 micro-batches, 3 hash layers: stage 1 hash-routes layer 2 on its sequence slice
+    "tp2xpp2_ep2_sp_1f1b_recompute": (dict(dp=1, tp=2, ep=2, zero=0, pp=2, sp=True, recompute=True, moe=MOE),
+                                      dict(num_hash_layers=3)),
 }
 
 

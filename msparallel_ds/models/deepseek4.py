@@ -135,7 +135,7 @@ class DeepseekV4Stage(StageModule):
         body, config = self.body, self.config
         if self.is_first:
             x = body.embed_tokens(x).unsqueeze(2).expand(-1, -1, config.hc_mult, -1).contiguous()
-        ref = x[:, :, 0]
+        ref = x.new_empty((x.shape[0], position_ids.shape[-1], 1))  # the full length (an SP stage holds a slice)
         mask = create_sliding_window_causal_mask(config=config, inputs_embeds=ref, attention_mask=None, cache=None,
                                                  position_ids=position_ids)
         rope = {kind: body.rotary_emb(ref, position_ids=position_ids, layer_type=kind) for kind in ("main", "compress")}
