@@ -110,15 +110,28 @@ def test_deepseek_v4_tensor_parallel_matches_single_process():
               max(_rel(g, w) for g, w in zip(r0["norms"], ref_norms)))
 
 
-def test_tensor_parallel_refusals_name_their_key():
-    """tp must divide num_attention_heads and o_groups (both are split): one clear error naming the key."""
+def test_tensor_parallel_spec_and_refusals():
+    """The shard spec the checkpoints read (a pure function of the plan): per-head parameters split along dim 0, the
+    shared kv head, compressors and indexer replicated; tp must divide num_attention_heads and o_groups (both are
+    split): one clear error naming the key."""
     from msparallel_ds.models import adapter_for
+    from msparallel_ds.tensor_parallel.spec import ShardSpec
 
     model = v4_model()
     adapter = adapter_for(model)
     plan = adapter.tp_plan(model.config, 2, sequence_parallel=True, vocab_parallel=True)
-    assert plan["model.layers.*.self_attn.o_a_proj"] == "colwise_grouped"
     assert plan["model.layers.0.mlp"] == "sequence_parallel_block"
+    spec = ShardSpec.from_plan(plan, [n for n, _ in model.named_parameters()])
+    attn = "model.layers.1.self_attn."
+    split = {n: spec[n].dim for n in spec.split_names("tp")}
+    for name in ("sinks", "q_b_proj.weight", "o_a_proj.weight"):
+        assert split.pop(attn + name) == 0, name
+    assert split.pop(attn + "o_b_proj.weight") == 1
+    assert split.pop("model.embed_tokens.weight") == 0 and split.pop("lm_head.weight") == 0
+    assert all(".self_attn.sinks" in n or ".self_attn.q_b_proj." in n or ".self_attn.o_" in n for n in split), split
+    assert not any(spec[attn + n].is_split for n in ("q_a_proj.weight", "kv_proj.weight", "compressor.kv_proj.weight",
+                                                       "compressor.position_bias", "compressor.indexer.q_b_proj.weight",
+                                                       "compressor.indexer.scorer.weights_proj.weight"))
     for tp, key in ((8, "model.num_attention_heads=4"), (4, "model.o_groups=2")):
         with pytest.raises(ValueError) as ei:
             adapter.tp_plan(model.config, tp)
