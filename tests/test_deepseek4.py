@@ -6,8 +6,8 @@ sequences per micro-batch (MindFormers 2.1's per-sequence seq_aux_loss on sqrt-s
 expert-bias update of the top-k routers (the hash router has none), gradient accumulation and full recompute; and
 pp2 x dp2 x ep2 (1F1B over 4 micro-batches), where all hyper-connection streams and the input ids cross the stages.
 The four wheel deepseek4 configs, scaled to the tiny model (scaled_v4), train with their own Muon (whole-matrix ZeRO:
-dense over dp, experts over edp) like one process. What the family does not run (tp, cp, MTP, multi-copy,
-MindFormers weight names) is refused with the key to change."""
+dense over dp, experts over edp) like one process. What the family does not run (a tp that does not divide the
+heads, cp, MTP, multi-copy, MindFormers weight names) is refused with the key to change."""
 import contextlib
 import json
 import warnings
@@ -216,10 +216,11 @@ class _Layout:
 
 
 def test_unsupported_combinations_name_their_key(capsys):
-    """tp, cp, MTP, multi-copy and MindFormers weight names: one clear error each, naming the YAML key; the wheel
-    configs as written plan at their own world size and at 64 ranks, where `plan` notes that a run refuses their
-    global batch (MindFormers 2.1: 8 or 16 samples cannot split over data_parallel 64; test_pynative_config.py checks
-    that msp.make_plan without report=True refuses it) and plans the nearest valid batch, 64."""
+    """tp not dividing the heads, cp, MTP, multi-copy and MindFormers weight names: one clear error each, naming the
+    YAML key; the wheel configs as written plan at their own world size and at 64 ranks, where `plan` notes that a
+    run refuses their global batch (MindFormers 2.1: 8 or 16 samples cannot split over data_parallel 64;
+    test_pynative_config.py checks that msp.make_plan without report=True refuses it) and plans the nearest valid
+    batch, 64."""
     from msparallel_ds.cli import main
     from msparallel_ds.models import adapter_for
     from msparallel_ds.strategy import Interleave, Options
@@ -230,7 +231,7 @@ def test_unsupported_combinations_name_their_key(capsys):
     routers = [model.get_submodule(f"model.layers.{i}.mlp.gate") for i in range(4)]
     assert [adapter.fixed_routing(r) for r in routers] == [True, False, False, False]
     assert adapter.expert_bias_of(routers[0]) is None and adapter.expert_bias_of(routers[1]) is not None
-    cases = [(lambda: adapter.tp_plan(model.config, 2), "parallel_config.model_parallel (parallelism.tensor_parallel)"),
+    cases = [(lambda: adapter.tp_plan(model.config, 8), "parallelism.tensor_parallel"),  # 4 heads; tp 2: *_tp.py
              (lambda: adapter.check_options(_Layout(cp=2), Options()), "parallelism.context_parallel"),
              (lambda: adapter.check_options(_Layout(), Options(mtp_depth=1)), "model.num_nextn_predict_layers"),
              (lambda: adapter.check_options(_Layout(), Options(interleave=Interleave(copies=2))),

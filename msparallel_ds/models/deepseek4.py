@@ -11,16 +11,17 @@
                 table of the input ids, weights from the scores); routed `experts` and `shared_experts`
 
 What runs: data parallel / ZeRO, expert parallel (the MoE family's ep plan: every layer's routed experts), pipeline
-stages, full recompute of whole layers. MindFormers 2.1's routing (pynative transformers/moe/router.py) equals HF's on both
-routers: weights = the chosen scores normalised (+1e-20) x routed_scaling_factor; the expert bias only chooses, and
+stages, full recompute of whole layers, tensor (+ sequence, vocab) parallel (models/deepseek4_tp.py: heads split,
+the shared kv head, compressors and lightning indexer replicated). MindFormers 2.1's routing (pynative transformers/
+moe/router.py) equals HF's on both routers: weights = the chosen scores normalised (+1e-20) x routed_scaling_factor;
+the expert bias only chooses, and
 hash layers ignore it (so they get no bias update here). Its seq_aux_loss (moe_utils.compute_routing_scores_for_aux_
 loss) is per sequence, on scores normalised over the experts, with f from the top-k of those scores (not the routed
 choice, so hash layers get it too): `aux_rule` below asks moe.aux_loss for exactly that.
 
 Pipeline stages (DeepseekV4Stage) carry the whole residual, all hc streams, across the boundary, and the input ids to
-every stage. Refused, each with the key to change: tensor parallel (the o_a_proj grouping, the single shared kv head,
-the sinks and the compressor / indexer branches would all need their own splits; none is written), context
-parallel (the compressors pool whole windows of the sequence and the indexer picks among all of them: a sequence
+every stage. Refused, each with the key to change: a tensor-parallel size not dividing the heads and o_groups,
+context parallel (the compressors pool whole windows of the sequence and the indexer picks among all of them: a sequence
 shard would change which entries exist), multi-token prediction (HF V4 ignores `mtp.*` weights) and MindFormers
 weight names (no map written).
 """
@@ -30,6 +31,7 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
+from .deepseek4_tp import v4_heads, v4_set_local_heads, v4_tp_plan
 from .moe import MoEFamily
 from .stage import StageModule
 
@@ -60,12 +62,18 @@ class DeepseekV4Family(MoEFamily):
         """A hash router: experts come from the tid2eid table, an expert bias has nothing to choose."""
         return hasattr(router, "tid2eid")
 
+    # tensor parallel: heads split, the shared kv / compressor / indexer replicated (models/deepseek4_tp.py says why)
+    def heads(self, config: Any, tp: int) -> tuple[int, int, bool]:
+        return v4_heads(config, tp)
+
     def tp_plan(self, config: Any, tp: int, *, sequence_parallel: bool = False,
                 vocab_parallel: bool = False) -> dict[str, str]:
-        raise _refused("parallel_config.model_parallel (parallelism.tensor_parallel)", tp,
-                       "its attention has one kv head shared by all heads, per-head sinks, an output projection "
-                       "grouped over o_groups and compressor / indexer branches, for which no tensor-parallel split "
-                       "is written", "set it to 1 and use data_parallel_shard / expert_parallel")
+        self.heads(config, tp)
+        return v4_tp_plan(self.prefix, self.moe_layers(config), sequence_parallel=sequence_parallel,
+                          vocab_parallel=vocab_parallel)
+
+    def set_local_heads(self, part: nn.Module, config: Any, tp: int) -> None:
+        v4_set_local_heads(self.layers(part), config, tp)
 
     stage_token_ids = True  # the pipeline engine passes the micro-batch's input ids to every stage (hash routers)
 
@@ -127,7 +135,7 @@ class DeepseekV4Stage(StageModule):
         body, config = self.body, self.config
         if self.is_first:
             x = body.embed_tokens(x).unsqueeze(2).expand(-1, -1, config.hc_mult, -1).contiguous()
-        ref = x[:, :, 0]
+        ref = x.new_empty((x.shape[0], position_ids.shape[-1], 1))  # the full length (an SP stage holds a slice)
         mask = create_sliding_window_causal_mask(config=config, inputs_embeds=ref, attention_mask=None, cache=None,
                                                  position_ids=position_ids)
         rope = {kind: body.rotary_emb(ref, position_ids=position_ids, layer_type=kind) for kind in ("main", "compress")}

@@ -34,6 +34,14 @@ styles, never a model's module names:
 |                                | input grad all-reduced once in backward (Megatron's f, for the whole block)    |
 | token_slice_block              | (no SP) a MoE block: runs on this rank's sequence slice (split in, all-gather  |
 |                                | out), its replicated weights' grads summed over tp                             |
+|                                | (with its `input_ids` keyword cut alike: DeepSeek-V4's hash routers read it)  |
+| sequence_parallel_block        | (SP) a MoE block on the sequence slice: sequence_parallel, and its `input_ids` |
+|                                | keyword cut to the slice (MindFormers: PrepareModuleInput ShardTensor(1))      |
+| copy_input_heads,              | copy_input / sequence_gather_input of an attention block that holds per-head   |
+| sequence_gather_input_heads    | parameters of its own (DeepSeek-V4's sinks): those are split over tp, dim 0    |
+| colwise_grouped                | a block-diagonal grouped linear (DeepSeek-V4's o_a_proj) whose groups follow  |
+|                                | the heads: its rows are split group-wise in place, n_groups becomes the local  |
+|                                | count, its input (already head-split) is regrouped; no collective              |
 
 Parameters are cut by the shard spec (tensor_parallel/spec.py), which derives from the same styles. The adapter
 then sets the attention modules' local head counts. On a whole model, vocab parallel also replaces the model's
@@ -50,16 +58,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..distributed.collectives import split_along
 from ..labels import IGNORE_INDEX
 from ..models import DecoderAdapter, adapter_for
 from .conv1d import CONV1D_STYLES, ParallelConv1D
 from .layers import ColumnParallelLinear, FusedColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear
 from .mappings import copy_to_region, gather_from_region, gather_from_sequence_region, scatter_to_region
 from .replicated import mark
-from .spec import compile_pattern, style_of
+from .spec import STYLE_PARAM_SHARDS, compile_pattern, style_of
 from .vocab import ParallelLMHead, ReplicatedLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 if TYPE_CHECKING:
@@ -70,7 +81,9 @@ __all__ = ["STYLES", "apply_tp", "tp_parallelize", "tp_plan", "vocab_parallel_ca
 STYLES = ("colwise", "rowwise", "colwise_gathered", "colwise_kv_replicated", "replicated_with_grad_allreduce",
           "vocab_embedding", "vocab_lm_head", "sequence_parallel", "sequence_scatter_input", "sequence_gather_input",
           "sequence_gather_input_replicated", "copy_input", "token_slice_block", "colwise_halves", *CONV1D_STYLES,
-          "sequence_gather_replicated", "vocab_lm_head_full_sequence")
+          "sequence_gather_replicated", "vocab_lm_head_full_sequence", "sequence_parallel_block", "copy_input_heads",
+          "sequence_gather_input_heads", "colwise_grouped")
+TOKEN_KEYWORDS = ("input_ids",)  # token-aligned keyword inputs a sequence-sliced block gets cut alike
 SEQ_DIM = 1  # HF hidden states are [batch, seq, hidden]
 
 
@@ -93,12 +106,23 @@ def _map_hidden_input(module: nn.Module, fn) -> None:
     module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def _slice_token_keywords(module: nn.Module, group) -> None:
+    """Cut the block's token-aligned keyword inputs (TOKEN_KEYWORDS, no gradient) to this rank's sequence slice,
+    as its hidden_states are (DeepSeek-V4's hash routers index a table by the input ids of the tokens they route)."""
+    def hook(mod, args, kwargs):
+        cut = {k: split_along(kwargs[k], group, SEQ_DIM) for k in TOKEN_KEYWORDS if torch.is_tensor(kwargs.get(k))}
+        return (args, {**kwargs, **cut}) if cut else None
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def _split_block(module: nn.Module, group) -> None:
     """tp without sequence parallel, a block that must see each tp rank's own tokens (a MoE block: MindFormers
     routes dp*cp*tp token shards whether or not SP is on): its replicated weights' grads are summed over tp, its
     input is split over the sequence (backward: all-gather) and its output all-gathered (backward: split)."""
     mark(module, group)
     _map_hidden_input(module, lambda x: scatter_to_region(x, group, SEQ_DIM))
+    _slice_token_keywords(module, group)
 
     def gather(mod, args, out):
         if isinstance(out, tuple):
@@ -106,6 +130,31 @@ def _split_block(module: nn.Module, group) -> None:
         return gather_from_region(out, group, SEQ_DIM)
 
     module.register_forward_hook(gather)
+
+
+def _split_own(module: nn.Module, group, shard) -> None:
+    """Replace the module's own parameters by this rank's part (`shard`: Megatron's attributes on the new ones)."""
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    for name, p in list(module._parameters.items()):
+        if p is not None:
+            module._parameters[name] = shard.parameter(shard.local(p.data, tp, rank).clone(), p.requires_grad)
+
+
+def _grouped(name: str, module: nn.Module, group) -> None:
+    """colwise_grouped: the weight's rows are n_groups blocks; rank r keeps blocks r*g/tp .. (r+1)*g/tp - 1, whose
+    inputs are the heads it holds. The caller reshapes its local heads by the global group count, so the input is
+    regrouped into the local count (the same memory, hence exact) before the module's own forward."""
+    tp, groups = dist.get_world_size(group), getattr(module, "n_groups", None)
+    if not isinstance(groups, int) or groups % tp:
+        raise ValueError(f"tp plan: {name} (colwise_grouped) has n_groups={groups}, which the tensor-parallel size "
+                         f"tp={tp} must divide")
+    _split_own(module, group, STYLE_PARAM_SHARDS["colwise_grouped"]["weight"])
+    module.n_groups = groups // tp
+
+    def regroup(mod, args):
+        return (args[0].reshape(*args[0].shape[:-2], mod.n_groups, -1), *args[1:])
+
+    module.register_forward_pre_hook(regroup)
 
 
 def _set(part: nn.Module, name: str, new: nn.Module) -> None:
@@ -153,18 +202,25 @@ def apply_tp(part: nn.Module, layout: ParallelLayout, adapter: DecoderAdapter, p
         if style is None:
             continue
         matched.add(style)
+        if style.endswith("_heads"):
+            _split_own(module, group, STYLE_PARAM_SHARDS[style]["*"])
         if style in ("replicated_with_grad_allreduce", "sequence_parallel"):
             mark(module, group)  # grads summed over tp (replicated.py)
         elif style == "sequence_scatter_input":
             _map_hidden_input(module, lambda x: scatter_to_region(x, group, SEQ_DIM))
-        elif style == "sequence_gather_input":
+        elif style in ("sequence_gather_input", "sequence_gather_input_heads"):
             _map_hidden_input(module, lambda x: gather_from_sequence_region(x, group, SEQ_DIM))
         elif style == "sequence_gather_replicated":
             _map_hidden_input(module, lambda x: gather_from_region(x, group, SEQ_DIM))
-        elif style == "copy_input":
+        elif style in ("copy_input", "copy_input_heads"):
             _map_hidden_input(module, lambda x: copy_to_region(x, group))
         elif style == "token_slice_block":
             _split_block(module, group)
+        elif style == "sequence_parallel_block":
+            mark(module, group)
+            _slice_token_keywords(module, group)
+        elif style == "colwise_grouped":
+            _grouped(name, module, group)
         else:
             _set(part, name, _replacement(name, style, module, group, sp, n_kv))
     if not matched:

@@ -19,6 +19,8 @@ so a parameter's layout is decided once, by the style its module has in the TP o
 | vocab_embedding        | vocab, dim 0    | -               |
 | vocab_lm_head(_full_sequence) | vocab, dim 0 | vocab, dim 0  |
 | colwise_kv_replicated  | kv_replicated   | kv_replicated   |
+| colwise_grouped        | split, dim 0 (whole groups) | split, dim 0 |
+| copy_input_heads, sequence_gather_input_heads | the block's own parameters: split, dim 0 (per-head vectors) |
 | ep_experts (over ep)   | every 3-D expert tensor: expert, dim 0  |
 | anything else          | replicated      | replicated      |
 
@@ -122,6 +124,9 @@ STYLE_PARAM_SHARDS: dict[str, dict[str, Shard]] = {
     "vocab_lm_head": {"weight": _VOCAB0, "bias": _VOCAB0},
     "vocab_lm_head_full_sequence": {"weight": _VOCAB0, "bias": _VOCAB0},
     "colwise_kv_replicated": {"weight": _KV, "bias": _KV},
+    "colwise_grouped": {"weight": _SPLIT0, "bias": _SPLIT0},  # row blocks = groups of heads (V4's o_a_proj)
+    "copy_input_heads": {"*": _SPLIT0},  # the block's own per-head parameters (V4's attention sinks)
+    "sequence_gather_input_heads": {"*": _SPLIT0},
     "ep_experts": {"*": EXPERT_SHARD},  # every parameter of a HF experts module (the fused 3-D expert tensors)
 }
 
