@@ -1,0 +1,139 @@
+"""optimizer.type: Muon under tensor parallel: each tp-split matrix's Nesterov input is all-gathered over tp along its
+shard dim (a fused [gate; up] block by block), Newton-Schulz runs on the whole matrix, the step is scaled by the
+whole shape and each rank keeps its slice (MindFormers 2.1 core/optim/muon.py _perform_allgather_op /
+_slice_tensor_to_shards). One run_distributed on 4 gloo processes:
+
+- a tiny Llama at tp2 x dp2, optimizer parallel level1 (Muon's whole-parameter ZeRO), the YAML's Muon, 3 steps,
+  against one process on the global batch (Newton-Schulz in float32 on both sides, as test_muon.py);
+- split parameters alone (column, row, and a fused [gate; up] cut half by half) over two tp groups against the
+  unsharded Muon, and the per-shard Newton-Schulz (what tp without the gather would do) measured as far off;
+- a split matrix without a tp group: a clear error."""
+import warnings
+
+import torch
+
+from engine_cases import global_batch, tiny_config, tiny_model
+from harness import run_distributed
+
+STEPS, RTOL = 3, 1e-5
+MUON = {"type": "Muon", "learning_rate": 1e-3, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True,
+        "matched_adamw_rms": 0.2, "adamw_betas": [0.9, 0.95], "adamw_eps": 1e-8}
+
+
+def _cfg(**layout):
+    cfg = tiny_config(clip=0, **layout)
+    cfg["optimizer"] = dict(MUON)
+    return cfg
+
+
+def _local_muons(opt):
+    """The Muon(s) doing the work behind ZeroRedundancyOptimizer / SplitZero."""
+    from msparallel_ds.optim.muon import Muon
+
+    parts = getattr(opt, "parts", [opt])
+    return [m for m in (getattr(p, "optim", p) for p in parts) if isinstance(m, Muon)]
+
+
+def _rel(a, b):
+    """Error relative to the tensor's largest entry (test_muon.py's measure)."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def _llama(rank):
+    import msparallel_ds as msp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = msp.initialize(tiny_model(), msp.load_config(_cfg(dp=2, tp=2, zero=1)))
+    muons = _local_muons(engine.ds.optimizer)
+    for m in muons:
+        m.ns_dtype = torch.float32
+    lay = engine.layout
+    rows, dp, d = engine.micro_batch_size * engine.gradient_accumulation_steps, lay.size("dp"), lay.rank("dp")
+    split = sorted(n for n, p in engine.model.named_parameters() if getattr(p, "tensor_model_parallel", False))
+    losses = []
+    for step in range(STEPS):
+        ids, labels = global_batch(step, rows * dp)
+        share = slice(d * rows, (d + 1) * rows)
+        losses.append(engine.train_batch({"input_ids": ids[share], "labels": labels[share]}).item())
+    state = engine.full_state_dict()
+    out = {"optimizer": type(engine.ds.optimizer).__name__, "tp_group": [m.tp_group is not None for m in muons],
+           "split": split, "losses": losses}
+    if rank:
+        return out
+    model = tiny_model()
+    opt = msp.build_optimizer(model, msp.load_config(_cfg()))
+    opt.ns_dtype = torch.float32
+    ref_losses = []
+    for step in range(STEPS):
+        ids, labels = global_batch(step, rows * dp)
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    ref = model.state_dict()
+    start = tiny_model().state_dict()
+    out.update(ref_losses=ref_losses, worst={k: _rel(state[k], v) for k, v in ref.items()},
+               moved=max(_rel(v, start[k]) for k, v in ref.items()))
+    return out
+
+
+def _shards(rank):
+    """Column (dim 0), row (dim 1) and fused [gate; up] (dim 0, 2 parts) matrices over tp groups {0, 1}, {2, 3}."""
+    import torch.distributed as dist
+
+    from msparallel_ds.optim.muon import Muon
+    from msparallel_ds.tensor_parallel.spec import Shard
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    tp_group, t = groups[rank // 2], rank % 2
+    shards = {"col": Shard(0, "split"), "row": Shard(1, "split"), "gate_up": Shard(0, "split", parts=2)}
+    gen = torch.Generator().manual_seed(7)
+    full = {"col": torch.randn(12, 6, generator=gen), "row": torch.randn(6, 10, generator=gen),
+            "gate_up": torch.randn(16, 5, generator=gen)}
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in full.items()} for _ in range(STEPS)]
+
+    def muon(params, group=None):
+        return Muon([{"params": params, "use_muon": True}], lr=0.05, weight_decay=0.1, ns_dtype=torch.float32,
+                    tp_group=group)
+
+    whole = {k: torch.nn.Parameter(v.clone()) for k, v in full.items()}
+    local = {k: shards[k].parameter(shards[k].local(v, 2, t).clone()) for k, v in full.items()}
+    naive = {k: torch.nn.Parameter(p.detach().clone()) for k, p in local.items()}  # per-shard Newton-Schulz
+    opts = [muon(list(whole.values())), muon(list(local.values()), tp_group), muon(list(naive.values()))]
+    for g in grads:
+        for k in full:
+            whole[k].grad = g[k].clone()
+            local[k].grad = naive[k].grad = shards[k].local(g[k], 2, t).clone()
+        for o in opts:
+            o.step()
+    out = {"worst": {k: _rel(local[k].detach(), shards[k].local(whole[k].detach(), 2, t)) for k in full},
+           "naive": {k: _rel(naive[k].detach(), shards[k].local(whole[k].detach(), 2, t)) for k in full}}
+    try:
+        muon([local["col"]]).step()
+        out["no_group"] = "accepted"
+    except ValueError as e:
+        out["no_group"] = str(e)
+    return out
+
+
+def _run(rank, world):
+    return {"llama": _llama(rank), "shards": _shards(rank)}
+
+
+def test_muon_under_tp_matches_one_process():
+    results = run_distributed(_run, 4, timeout=150)
+    r0 = results[0]["llama"]
+    for rank, res in enumerate(results):
+        llama, shards = res["llama"], res["shards"]
+        assert llama["optimizer"] == "ZeroRedundancyOptimizer" and llama["tp_group"] == [True], (rank, llama)
+        assert any("down_proj" in n for n in llama["split"]) and any("q_proj" in n for n in llama["split"])
+        assert max(abs(a - b) / abs(b) for a, b in zip(llama["losses"], r0["ref_losses"])) <= RTOL, (rank, llama)
+        assert max(shards["worst"].values()) <= RTOL, (rank, shards)
+        assert min(shards["naive"].values()) > 100 * RTOL, (rank, shards)  # the gather is what makes them agree
+        assert "split over tensor parallel but no tp group" in shards["no_group"], shards
+    print("FIG", r0["moved"], sorted(r0["worst"].items(), key=lambda kv: -kv[1])[:4], max(abs(a - b) / abs(b) for a, b in zip(r0["losses"], r0["ref_losses"])))
+    assert max(r0["worst"].values()) <= RTOL, sorted(r0["worst"].items(), key=lambda kv: -kv[1])[:5]
+    assert r0["moved"] > 1e-2, r0["moved"]  # Muon moved the weights well past the tolerance
+
