@@ -103,7 +103,7 @@ def test_muon_and_adamw_split_of_a_model():
 @pytest.mark.parametrize("extra, match", [
     ({"optimizer": {"type": "Muon", "swap": True}},
      "optimizer.swap=True is not supported"),
-    ({"parallel_config": {"model_parallel": 2, "pipeline_stage": 2}},
+    ({"parallel_config": {"model_parallel": 2, "pipeline_stage": 2, "micro_batch_num": 2}},
      "model_parallel=2 and pipeline_stage=2 is not supported"),
 ])
 def test_refused_layouts(extra, match):

@@ -5,25 +5,34 @@ _slice_tensor_to_shards). One run_distributed on 4 gloo processes:
 
 - a tiny Llama at tp2 x dp2, optimizer parallel level1 (Muon's whole-parameter ZeRO), the YAML's Muon, 3 steps,
   against one process on the global batch (Newton-Schulz in float32 on both sides, as test_muon.py);
-- split parameters alone (column, row, and a fused [gate; up] cut half by half) over two tp groups against the
+- split parameters alone (column, row, fused [gate; up] and [q | k | v] cut part by part) over two tp groups against the
   unsharded Muon, and the per-shard Newton-Schulz (what tp without the gather would do) measured as far off;
 - a split matrix without a tp group: a clear error."""
 import warnings
 
 import torch
 
+from deepseek_cases import deepseek_model
 from engine_cases import global_batch, tiny_config, tiny_model
 from harness import run_distributed
+from moe_cases import ep_yaml
 
 STEPS, RTOL = 3, 1e-5
 MUON = {"type": "Muon", "learning_rate": 1e-3, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True,
         "matched_adamw_rms": 0.2, "adamw_betas": [0.9, 0.95], "adamw_eps": 1e-8}
 
 
-def _cfg(**layout):
-    cfg = tiny_config(clip=0, **layout)
+def _cfg(ep=None, **layout):
+    cfg = tiny_config(clip=0, **layout) if ep is None else ep_yaml(ep=ep, clip=0, **layout)
     cfg["optimizer"] = dict(MUON)
     return cfg
+
+
+CASES = {  # name -> (model factory, layout); the reference is the same YAML at dp = tp = ep = 1
+    "llama_dp2xtp2_zero1": (tiny_model, dict(dp=2, tp=2, zero=1)),
+    "deepseek_v3_dp2xtp2_sp_ep2_zero1": (lambda: deepseek_model(num_hidden_layers=2),
+                                         dict(dp=2, tp=2, sp=True, zero=1, ep=2)),
+}
 
 
 def _local_muons(opt):
@@ -39,12 +48,13 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
-def _llama(rank):
+def _train(rank, name):
     import msparallel_ds as msp
 
+    make, layout = CASES[name]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = msp.initialize(tiny_model(), msp.load_config(_cfg(dp=2, tp=2, zero=1)))
+        engine = msp.initialize(make(), msp.load_config(_cfg(**layout)))
     muons = _local_muons(engine.ds.optimizer)
     for m in muons:
         m.ns_dtype = torch.float32
@@ -59,10 +69,10 @@ def _llama(rank):
     state = engine.full_state_dict()
     out = {"optimizer": type(engine.ds.optimizer).__name__, "tp_group": [m.tp_group is not None for m in muons],
            "split": split, "losses": losses}
-    if rank:
+    if rank != list(CASES).index(name):  # each case's reference on its own rank, in parallel
         return out
-    model = tiny_model()
-    opt = msp.build_optimizer(model, msp.load_config(_cfg()))
+    model = make()
+    opt = msp.build_optimizer(model, msp.load_config(_cfg(ep=1 if "ep" in layout else None)))
     opt.ns_dtype = torch.float32
     ref_losses = []
     for step in range(STEPS):
@@ -73,14 +83,15 @@ def _llama(rank):
         opt.step()
         ref_losses.append(loss.item())
     ref = model.state_dict()
-    start = tiny_model().state_dict()
+    start = make().state_dict()
     out.update(ref_losses=ref_losses, worst={k: _rel(state[k], v) for k, v in ref.items()},
                moved=max(_rel(v, start[k]) for k, v in ref.items()))
     return out
 
 
 def _shards(rank):
-    """Column (dim 0), row (dim 1) and fused [gate; up] (dim 0, 2 parts) matrices over tp groups {0, 1}, {2, 3}."""
+    """Column (dim 0), row (dim 1), fused [gate; up] (dim 0, 2 parts: GLM's gate_up_proj) and fused [q | k | v]
+    (dim 1, 3 parts: GPT-2's Conv1D c_attn) matrices over tp groups {0, 1}, {2, 3}."""
     import torch.distributed as dist
 
     from msparallel_ds.optim.muon import Muon
@@ -88,10 +99,11 @@ def _shards(rank):
 
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     tp_group, t = groups[rank // 2], rank % 2
-    shards = {"col": Shard(0, "split"), "row": Shard(1, "split"), "gate_up": Shard(0, "split", parts=2)}
+    shards = {"col": Shard(0, "split"), "row": Shard(1, "split"), "gate_up": Shard(0, "split", parts=2),
+              "qkv": Shard(1, "split", parts=3)}
     gen = torch.Generator().manual_seed(7)
     full = {"col": torch.randn(12, 6, generator=gen), "row": torch.randn(6, 10, generator=gen),
-            "gate_up": torch.randn(16, 5, generator=gen)}
+            "gate_up": torch.randn(16, 5, generator=gen), "qkv": torch.randn(5, 18, generator=gen)}
     grads = [{k: torch.randn(v.shape, generator=gen) for k, v in full.items()} for _ in range(STEPS)]
 
     def muon(params, group=None):
@@ -119,21 +131,26 @@ def _shards(rank):
 
 
 def _run(rank, world):
-    return {"llama": _llama(rank), "shards": _shards(rank)}
+    return {**{name: _train(rank, name) for name in CASES}, "shards": _shards(rank)}
 
 
 def test_muon_under_tp_matches_one_process():
-    results = run_distributed(_run, 4, timeout=150)
-    r0 = results[0]["llama"]
+    results = run_distributed(_run, 4, timeout=180)
     for rank, res in enumerate(results):
-        llama, shards = res["llama"], res["shards"]
-        assert llama["optimizer"] == "ZeroRedundancyOptimizer" and llama["tp_group"] == [True], (rank, llama)
-        assert any("down_proj" in n for n in llama["split"]) and any("q_proj" in n for n in llama["split"])
-        assert max(abs(a - b) / abs(b) for a, b in zip(llama["losses"], r0["ref_losses"])) <= RTOL, (rank, llama)
+        shards = res["shards"]
         assert max(shards["worst"].values()) <= RTOL, (rank, shards)
         assert min(shards["naive"].values()) > 100 * RTOL, (rank, shards)  # the gather is what makes them agree
         assert "split over tensor parallel but no tp group" in shards["no_group"], shards
-    print("FIG", r0["moved"], sorted(r0["worst"].items(), key=lambda kv: -kv[1])[:4], max(abs(a - b) / abs(b) for a, b in zip(r0["losses"], r0["ref_losses"])))
-    assert max(r0["worst"].values()) <= RTOL, sorted(r0["worst"].items(), key=lambda kv: -kv[1])[:5]
-    assert r0["moved"] > 1e-2, r0["moved"]  # Muon moved the weights well past the tolerance
-
+        for name in CASES:
+            run, ref = res[name], results[list(CASES).index(name)][name]
+            assert run["tp_group"] and all(run["tp_group"]), (name, rank, run)
+            rel = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref["ref_losses"]))
+            assert rel <= RTOL, (name, rank, run["losses"], ref["ref_losses"])
+    llama, ds = results[0]["llama_dp2xtp2_zero1"], results[0]["deepseek_v3_dp2xtp2_sp_ep2_zero1"]
+    assert llama["optimizer"] == "ZeroRedundancyOptimizer" and ds["optimizer"] == "SplitZero", (llama, ds)
+    assert {"model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"} <= set(llama["split"])
+    assert {"model.layers.0.self_attn.q_b_proj.weight", "model.layers.0.self_attn.kv_b_proj.weight"} <= set(ds["split"])
+    for name in CASES:
+        r0 = results[list(CASES).index(name)][name]
+        assert max(r0["worst"].values()) <= RTOL, (name, sorted(r0["worst"].items(), key=lambda kv: -kv[1])[:5])
+        assert r0["moved"] > 1e-2, (name, r0["moved"])  # Muon moved the weights well past the tolerance
