@@ -133,8 +133,9 @@ class Muon(torch.optim.Optimizer):
 
 def _tp_shard(p: torch.Tensor, tp_group):
     """The Shard a tp-split parameter was cut by (tensor_parallel.spec; read from the Megatron attributes the TP
-    layers set), or None for a matrix that is whole on this rank."""
-    if not getattr(p, "tensor_model_parallel", False):
+    layers set), or None for a matrix that is whole on this rank. Routed experts under ep carry the attribute too
+    (moe.apply, for DeepSpeed's norm) but are whole experts, split over ep: none."""
+    if getattr(p, "expert_parallel", False) or not getattr(p, "tensor_model_parallel", False):
         return None
     if tp_group is None:
         raise ValueError(
