@@ -4,7 +4,10 @@ whole shape and each rank keeps its slice (MindFormers 2.1 core/optim/muon.py _p
 _slice_tensor_to_shards). One run_distributed on 4 gloo processes:
 
 - a tiny Llama at tp2 x dp2, optimizer parallel level1 (Muon's whole-parameter ZeRO), the YAML's Muon, 3 steps,
-  against one process on the global batch (Newton-Schulz in float32 on both sides, as test_muon.py);
+  against one process on the global batch (Newton-Schulz in float32 on both sides, as test_muon.py); its checkpoint
+  after step 1 (the tp-split momentum slices) resumed at dp2 x cp2 gives steps 2 and 3's losses;
+- a tiny DeepSeek-V3 at dp2 x tp2 (sequence parallel) x ep2 with level1 (SplitZero: dense states over dp, experts'
+  over expert dp): q_b_proj / kv_b_proj split per head, routed experts whole (not gathered);
 - split parameters alone (column, row, fused [gate; up] and [q | k | v] cut part by part) over two tp groups against the
   unsharded Muon, and the per-shard Newton-Schulz (what tp without the gather would do) measured as far off;
 - a split matrix without a tp group: a clear error."""
@@ -48,16 +51,23 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
-def _train(rank, name):
+def _engine(make, layout):
     import msparallel_ds as msp
 
-    make, layout = CASES[name]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = msp.initialize(make(), msp.load_config(_cfg(**layout)))
     muons = _local_muons(engine.ds.optimizer)
     for m in muons:
         m.ns_dtype = torch.float32
+    return engine, muons
+
+
+def _train(rank, name, root):
+    import msparallel_ds as msp
+
+    make, layout = CASES[name]
+    engine, muons = _engine(make, layout)
     lay = engine.layout
     rows, dp, d = engine.micro_batch_size * engine.gradient_accumulation_steps, lay.size("dp"), lay.rank("dp")
     from msparallel_ds.optim.muon import _tp_shard
@@ -65,12 +75,22 @@ def _train(rank, name):
     split = sorted(n for n, p in engine.model.named_parameters() if _tp_shard(p, muons[0].tp_group) is not None)
     losses = []
     for step in range(STEPS):
+        if step == STEPS - 2 and root:
+            engine.save(root, sharded=True)
         ids, labels = global_batch(step, rows * dp)
         share = slice(d * rows, (d + 1) * rows)
         losses.append(engine.train_batch({"input_ids": ids[share], "labels": labels[share]}).item())
     state = engine.full_state_dict()
     out = {"optimizer": type(engine.ds.optimizer).__name__, "tp_group": [m.tp_group is not None for m in muons],
            "split": split, "losses": losses}
+    if root:  # the last 2 steps again from the checkpoint, at dp2 x cp2 (tp 1: the momentum slices put together)
+        other, _ = _engine(make, dict(dp=2, cp=2, zero=1))
+        other.load(root)
+        lay, out["resumed"] = other.layout, []
+        for step in range(STEPS - 2, STEPS):
+            ids, labels = global_batch(step, rows * dp)
+            share = slice(lay.rank("dp") * rows, (lay.rank("dp") + 1) * rows)
+            out["resumed"].append(other.train_batch({"input_ids": ids[share], "labels": labels[share]}).item())
     if rank != list(CASES).index(name):  # each case's reference on its own rank, in parallel
         return out
     model = make()
@@ -132,12 +152,13 @@ def _shards(rank):
     return out
 
 
-def _run(rank, world):
-    return {**{name: _train(rank, name) for name in CASES}, "shards": _shards(rank)}
+def _run(rank, world, root):
+    return {**{name: _train(rank, name, root if name.startswith("llama") else None) for name in CASES},
+            "shards": _shards(rank)}
 
 
-def test_muon_under_tp_matches_one_process():
-    results = run_distributed(_run, 4, timeout=180)
+def test_muon_under_tp_matches_one_process(tmp_path):
+    results = run_distributed(_run, 4, str(tmp_path / "ckpt"), timeout=180)
     for rank, res in enumerate(results):
         shards = res["shards"]
         assert max(shards["worst"].values()) <= RTOL, (rank, shards)
@@ -148,6 +169,9 @@ def test_muon_under_tp_matches_one_process():
             assert run["tp_group"] and all(run["tp_group"]), (name, rank, run)
             rel = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref["ref_losses"]))
             assert rel <= RTOL, (name, rank, run["losses"], ref["ref_losses"])
+        resumed = res["llama_dp2xtp2_zero1"]  # the second resumed loss follows a step that read the saved state
+        rel = max(abs(a - b) / b for a, b in zip(resumed["resumed"], resumed["losses"][-2:]))
+        assert rel <= RTOL, (rank, resumed["resumed"], resumed["losses"])
     llama, ds = results[0]["llama_dp2xtp2_zero1"], results[0]["deepseek_v3_dp2xtp2_sp_ep2_zero1"]
     assert llama["optimizer"] == "ZeroRedundancyOptimizer" and ds["optimizer"] == "SplitZero", (llama, ds)
     assert {"model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"} <= set(llama["split"])
