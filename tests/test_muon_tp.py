@@ -10,7 +10,7 @@ _slice_tensor_to_shards). One run_distributed on 4 gloo processes:
   over expert dp): q_b_proj / kv_b_proj split per head, routed experts whole (not gathered);
 - split parameters alone (column, row, fused [gate; up] and [q | k | v] cut part by part) over two tp groups against the
   unsharded Muon, and the per-shard Newton-Schulz (what tp without the gather would do) measured as far off;
-- a split matrix without a tp group: a clear error."""
+- a split matrix without a tp group, and tp peers whose ZeRO shards differ: clear errors."""
 import warnings
 
 import torch
@@ -149,6 +149,17 @@ def _shards(rank):
         out["no_group"] = "accepted"
     except ValueError as e:
         out["no_group"] = str(e)
+    from types import SimpleNamespace
+
+    from msparallel_ds.optim.muon import _check_tp_peers
+
+    stub = SimpleNamespace(device_type="cpu", size=lambda name: 2, rank=lambda name: t)
+    _check_tp_peers(muon(list(local.values()), tp_group), stub)  # the same split matrices: passes
+    try:  # tp rank 1 holding one split matrix more than rank 0 (a ZeRO partition that differed): refused
+        _check_tp_peers(muon(list(local.values())[:3 + t], tp_group), stub)
+        out["peers"] = "accepted"
+    except ValueError as e:
+        out["peers"] = str(e)
     return out
 
 
@@ -164,6 +175,7 @@ def test_muon_under_tp_matches_one_process(tmp_path):
         assert max(shards["worst"].values()) <= RTOL, (rank, shards)
         assert min(shards["naive"].values()) > 100 * RTOL, (rank, shards)  # the gather is what makes them agree
         assert "split over tensor parallel but no tp group" in shards["no_group"], shards
+        assert "ZeRO shards hold different split matrices" in shards["peers"], shards
         for name in CASES:
             run, ref = res[name], results[list(CASES).index(name)][name]
             assert run["tp_group"] and all(run["tp_group"]), (name, rank, run)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import zlib
 from typing import Iterable
 
 import torch
@@ -206,6 +207,23 @@ def check_muon_layout(cfg) -> None:
                       "applied here; the Muon and AdamW updates are", stacklevel=3)
 
 
+def _check_tp_peers(opt: Muon, layout) -> None:
+    """Every step gathers each tp-split matrix over tp, so the tp peers must step the same ones in the same order.
+    ZeRO's greedy partition by size gives them the same (their local shapes are equal); checked once, so a
+    difference is one clear error instead of a hang in the first step's gather."""
+    from ..distributed.collectives import gather_ints
+
+    shapes = [tuple(p.shape) for g in opt.param_groups if g["use_muon"] for p in g["params"]
+              if _tp_shard(p, opt.tp_group) is not None]
+    rows = gather_ints([len(shapes), zlib.crc32(repr(shapes).encode())], opt.tp_group, layout.device_type)
+    if any(row != rows[0] for row in rows):
+        raise ValueError(
+            f"optimizer.type=Muon under parallel_config.model_parallel={layout.size('tp')} with optimizer parallel: "
+            f"the tp ranks' ZeRO shards hold different split matrices ({rows[layout.rank('tp')][0]} here; counts "
+            f"and shape hashes per tp rank: {rows}), so they could not gather them together; the tp-split weights "
+            "must have equal shapes on every tp rank (sizes divisible by model_parallel)")
+
+
 def check_whole_matrices(optimizer: torch.optim.Optimizer) -> None:
     """After DeepSpeed wrapped the optimizer: every Muon parameter still a 2-D/3-D matrix (not a flat partition)."""
     for group in optimizer.param_groups:
@@ -248,6 +266,8 @@ def zero_for_muon(opt: torch.optim.Optimizer, layout, ds_config: dict) -> torch.
             return Muon(groups, tp_group=tp_group, **kwargs)
         zero_opt = ZeroRedundancyOptimizer(groups, optimizer_class=Muon, process_group=layout.group(dim), **kwargs)
         zero_opt.optim.tp_group = tp_group  # the local Muon (a kwarg would land in every param group)
+        if tp_group is not None:
+            _check_tp_peers(zero_opt.optim, layout)
         return zero_opt
 
     if experts:
