@@ -1,7 +1,8 @@
 """optimizer.type: Muon against MindFormers 2.1's own muon.py run by MindSpore 2.7 (tests/fixtures/mindspore_optim/
 muon.json: 5 steps on fixed gradients, Newton-Schulz in float32 there because MindSpore's CPU kernels have no bf16
 norm), through msp.build_optimizer and msp.initialize on one process; data parallel (dp2, no ZeRO) against one
-process; the Muon/AdamW split; the refused layouts (ZeRO, tensor parallel) and the ignored 2.1 keys."""
+process; the Muon/AdamW split; the refused layouts (ZeRO, tensor x pipeline parallel; tensor parallel itself:
+test_muon_tp.py) and the ignored 2.1 keys."""
 import json
 from pathlib import Path
 
@@ -103,7 +104,8 @@ def test_muon_and_adamw_split_of_a_model():
 @pytest.mark.parametrize("extra, match", [
     ({"optimizer": {"type": "Muon", "swap": True}},
      "optimizer.swap=True is not supported"),
-    ({"parallel_config": {"model_parallel": 2}}, "parallel_config.model_parallel=2 is not supported"),
+    ({"parallel_config": {"model_parallel": 2, "pipeline_stage": 2, "micro_batch_num": 2}},
+     "model_parallel=2 and pipeline_stage=2 is not supported"),
 ])
 def test_refused_layouts(extra, match):
     cfg = _cfg(**extra)

@@ -13,19 +13,26 @@ clamp) differently; torch's is 2-D only and DeepSpeed scales by sqrt(max(1, rows
 zeropower_via_newtonschulz5 has MindFormers' exact iteration but picks its dtype from the accelerator, so it cannot
 run the float32 iteration the MindSpore fixture needs. The iteration below is the same ten lines.
 
-Every matrix must be whole at step time. DeepSpeed's ZeRO hands the optimizer flat partitions (and its own ZeRO Muon
+Every matrix is orthogonalised whole. DeepSpeed's ZeRO hands the optimizer flat partitions (and its own ZeRO Muon
 computes DeepSpeed's update, not this one), so optimizer parallel level1/2 runs as torch's ZeroRedundancyOptimizer
 over dp x cp, experts over edp (zero_for_muon: each rank steps whole parameters, then broadcasts them; DeepSpeed at
-stage 0; level2/3 warn and run so), offload and tensor parallel (sharded matrices) are refused (check_muon_layout before any weights exist,
-check_whole_matrices after DeepSpeed).
+stage 0; level2/3 warn and run so). Under tensor parallel a split matrix's Nesterov input is all-gathered over tp
+along its shard dim (a fused [gate; up] / [q; k; v] parameter block by block, so the gathered matrix is the
+unsharded one), every tp rank runs the same Newton-Schulz on it, scales by the whole shape and keeps its slice, as
+MindFormers 2.1 does (core/optim/muon.py _perform_allgather_op / _slice_tensor_to_shards; pynative/optimizer/muon.py
+full_tensor / distribute_tensor). The tp peers own the same parameters under whole-parameter ZeRO (equal local
+shapes, the same greedy partition), so they gather together. Offload is refused (check_muon_layout before any
+weights exist, check_whole_matrices after DeepSpeed), and so is tp with pipeline_stage > 1 (not wired there).
 """
 from __future__ import annotations
 
 import math
 import warnings
+import zlib
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 __all__ = ["Muon", "muon_groups", "check_muon_layout", "check_whole_matrices", "zero_for_muon",
@@ -36,7 +43,7 @@ NS_STEPS = 5  # muon.py's loop is range(5): its ns_steps argument is stored and 
 MF_NAMES = ("word_embeddings", "output_layer")  # gpt_model.py get_muon_filter: these stay on AdamW
 _IGNORED = {"ns_steps": "its loop always runs 5 Newton-Schulz steps",
             "ns_coefficients": "it always uses (3.4445, -4.7750, 2.0315)",
-            "comm_strategy": "it gathers a sharded matrix one way (here: matrices are whole)"}
+            "comm_strategy": "it gathers a sharded matrix one way (here: all-gathered over tp, NS on every tp rank)"}
 
 
 @torch.no_grad()
@@ -57,11 +64,12 @@ def zeropower_via_newtonschulz5(g: torch.Tensor, dtype: torch.dtype = torch.bflo
 
 class Muon(torch.optim.Optimizer):
     """Groups with use_muon=True take the Muon update, the others AdamW (muon_groups builds them); `ns_dtype` is the
-    Newton-Schulz dtype (MindFormers: bfloat16; float32 only to compare with a float32 reference)."""
+    Newton-Schulz dtype (MindFormers: bfloat16; float32 only to compare with a float32 reference); `tp_group` the
+    layout's tp process group, needed when a Muon matrix is split over tp (zero_for_muon sets it from the layout)."""
 
     def __init__(self, params, lr: float = 2e-2, weight_decay: float = 0.1, matched_adamw_rms: float = 0.2,
                  momentum: float = 0.95, nesterov: bool = True, adamw_betas=(0.95, 0.95), adamw_eps: float = 1e-8,
-                 ns_dtype: torch.dtype = torch.bfloat16):
+                 ns_dtype: torch.dtype = torch.bfloat16, tp_group=None):
         defaults = dict(lr=lr, weight_decay=weight_decay, matched_adamw_rms=matched_adamw_rms, momentum=momentum,
                         nesterov=nesterov, betas=tuple(adamw_betas), eps=adamw_eps, use_muon=None)
         super().__init__(params, defaults)
@@ -70,6 +78,7 @@ class Muon(torch.optim.Optimizer):
                              "msparallel_ds.optim.muon.muon_groups(model, groups) (or msp.build_optimizer's), or set "
                              "'use_muon' in each group")
         self.ns_dtype = ns_dtype
+        self.tp_group = tp_group  # an attribute, not a default: param_groups stay picklable
         check_whole_matrices(self)
 
     @torch.no_grad()
@@ -91,6 +100,7 @@ class Muon(torch.optim.Optimizer):
     def _muon(self, p, group):
         if p.dim() not in (2, 3):
             check_whole_matrices(self)
+        shard = _tp_shard(p, self.tp_group)  # before any state changes: a missing group is an error, not half a step
         state = self.state[p]
         if not state:
             state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
@@ -98,8 +108,12 @@ class Muon(torch.optim.Optimizer):
         m = state["momentum_buffer"]
         m.mul_(group["momentum"]).add_(g)
         u = g + group["momentum"] * m if group["nesterov"] else m
+        if shard is not None:  # the whole matrix on every tp rank, Newton-Schulz on it, this rank's slice back
+            u = shard.gather(u, self.tp_group)
         x = zeropower_via_newtonschulz5(u, self.ns_dtype).float()
-        scale = math.sqrt(max(p.shape[-2:])) * group["matched_adamw_rms"]
+        scale = math.sqrt(max(u.shape[-2:])) * group["matched_adamw_rms"]  # the whole matrix's shape
+        if shard is not None:
+            x = shard.local(x, dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group))
         lr = group["lr"]
         p.mul_(1 - lr * group["weight_decay"]).add_(x.to(p.dtype), alpha=-lr * scale)
 
@@ -116,6 +130,22 @@ class Muon(torch.optim.Optimizer):
         state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
         denom = (state["exp_avg_sq"] / (1 - b2 ** t)).sqrt_().add_(group["eps"])
         p.mul_(1 - lr * group["weight_decay"]).addcdiv_(state["exp_avg"], denom, value=-lr / (1 - b1 ** t))
+
+
+def _tp_shard(p: torch.Tensor, tp_group):
+    """The Shard a tp-split parameter was cut by (tensor_parallel.spec; read from the Megatron attributes the TP
+    layers set), or None for a matrix that is whole on this rank. Routed experts under ep carry the attribute too
+    (moe.apply, for DeepSpeed's norm) but are whole experts, split over ep: none."""
+    if getattr(p, "expert_parallel", False) or not getattr(p, "tensor_model_parallel", False):
+        return None
+    if tp_group is None:
+        raise ValueError(
+            "optimizer.type=Muon got a matrix split over tensor parallel but no tp group: Newton-Schulz must see the "
+            "gathered matrix; build the engine with msp.initialize (it sets the group from the layout), or set "
+            "optimizer.tp_group = layout.group('tp') on the Muon before its first step")
+    from ..tensor_parallel.spec import Shard
+
+    return Shard(p.partition_dim, "split", parts=getattr(p, "partition_stride", 1))
 
 
 def _adamw_only(model: nn.Module) -> set[int]:
@@ -160,12 +190,13 @@ def check_muon_layout(cfg) -> None:
             "Newton-Schulz needs whole matrices, so the optimizer state is sharded by whole parameters over "
             "data_parallel x context_parallel (torch ZeroRedundancyOptimizer) and parameters and gradients stay whole "
             "on every rank (more memory than the plan's ZeRO estimate)", stacklevel=3)
-    if cfg.parallel_config.model_parallel > 1:
+    pc = cfg.parallel_config
+    if pc.model_parallel > 1 and pc.pipeline_stage > 1:
         raise ValueError(
-            f"optimizer.type=Muon with parallel_config.model_parallel={cfg.parallel_config.model_parallel} is not "
-            "supported: tensor parallel shards the hidden matrices and Newton-Schulz would orthogonalise the shards "
-            "instead of the gathered matrix; set parallel_config.model_parallel: 1 (data/pipeline/context parallel "
-            "keep matrices whole)")
+            f"optimizer.type=Muon with parallel_config.model_parallel={pc.model_parallel} and pipeline_stage="
+            f"{pc.pipeline_stage} is not supported: the pipeline engine does not give Muon the tp group it needs to "
+            "gather each split matrix before Newton-Schulz; set pipeline_stage: 1 (Muon runs under tensor parallel "
+            "there) or model_parallel: 1")
     for key, why in _IGNORED.items():
         if getattr(opt, key, None) is not None:
             warnings.warn(f"optimizer.{key}={getattr(opt, key)!r} is not read by MindFormers 2.1's Muon ({why}); it "
@@ -174,6 +205,23 @@ def check_muon_layout(cfg) -> None:
         warnings.warn("optimizer.qk_clip_enabled=True: MindFormers' QK-clip (gpt_model.py apply_qk_clip_scaling, "
                       "rescaling Multi-Latent-Attention q/k weights from the step's max attention logit) is not "
                       "applied here; the Muon and AdamW updates are", stacklevel=3)
+
+
+def _check_tp_peers(opt: Muon, layout) -> None:
+    """Every step gathers each tp-split matrix over tp, so the tp peers must step the same ones in the same order.
+    ZeRO's greedy partition by size gives them the same (their local shapes are equal); checked once, so a
+    difference is one clear error instead of a hang in the first step's gather."""
+    from ..distributed.collectives import gather_ints
+
+    shapes = [tuple(p.shape) for g in opt.param_groups if g["use_muon"] for p in g["params"]
+              if _tp_shard(p, opt.tp_group) is not None]
+    rows = gather_ints([len(shapes), zlib.crc32(repr(shapes).encode())], opt.tp_group, layout.device_type)
+    if any(row != rows[0] for row in rows):
+        raise ValueError(
+            f"optimizer.type=Muon under parallel_config.model_parallel={layout.size('tp')} with optimizer parallel: "
+            f"the tp ranks' ZeRO shards hold different split matrices ({rows[layout.rank('tp')][0]} here; counts "
+            f"and shape hashes per tp rank: {rows}), so they could not gather them together; the tp-split weights "
+            "must have equal shapes on every tp rank (sizes divisible by model_parallel)")
 
 
 def check_whole_matrices(optimizer: torch.optim.Optimizer) -> None:
@@ -194,6 +242,9 @@ def zero_for_muon(opt: torch.optim.Optimizer, layout, ds_config: dict) -> torch.
     are sharded over dp x cp; with expert parallel the experts (the same only on their expert-data-parallel ranks)
     get their own ZeRO over edp (pipeline.zero.SplitZero), as DeepSpeed shards expert groups."""
     zero = ds_config.get("zero_optimization") or {}
+    tp_group = layout.group("tp") if layout.size("tp") > 1 else None
+    if isinstance(opt, Muon):
+        opt.tp_group = tp_group
     if not isinstance(opt, Muon) or not zero.get("stage"):
         return opt
     ds_config["zero_optimization"] = {"stage": 0}
@@ -212,8 +263,12 @@ def zero_for_muon(opt: torch.optim.Optimizer, layout, ds_config: dict) -> torch.
     def sharded(groups: list[dict], dim: str) -> torch.optim.Optimizer:
         groups = [g for g in groups if g["params"]]
         if layout.size(dim) == 1:
-            return Muon(groups, **kwargs)
-        return ZeroRedundancyOptimizer(groups, optimizer_class=Muon, process_group=layout.group(dim), **kwargs)
+            return Muon(groups, tp_group=tp_group, **kwargs)
+        zero_opt = ZeroRedundancyOptimizer(groups, optimizer_class=Muon, process_group=layout.group(dim), **kwargs)
+        zero_opt.optim.tp_group = tp_group  # the local Muon (a kwarg would land in every param group)
+        if tp_group is not None:
+            _check_tp_peers(zero_opt.optim, layout)
+        return zero_opt
 
     if experts:
         from ..pipeline.zero import SplitZero
