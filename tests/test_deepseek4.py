@@ -6,7 +6,7 @@ sequences per micro-batch (MindFormers 2.1's per-sequence seq_aux_loss on sqrt-s
 expert-bias update of the top-k routers (the hash router has none), gradient accumulation and full recompute; and
 pp2 x dp2 x ep2 (1F1B over 4 micro-batches), where all hyper-connection streams and the input ids cross the stages.
 The four wheel deepseek4 configs, scaled to the tiny model (scaled_v4), train with their own Muon (whole-matrix ZeRO:
-dense over dp, experts over edp) like one process. What the family does not run (tp, cp, MTP, multi-copy,
+dense over dp, experts over edp) like one process. What the family does not run (tp, cp, legacy MTP, multi-copy,
 MindFormers weight names) is refused with the key to change."""
 import contextlib
 import warnings
@@ -46,7 +46,8 @@ def scaled_v4(name):
     factor, hash layers, norm_topk_prob, aux loss, expert bias and router score kept), expert_parallel 8 -> 2,
     global_batch_size 8 (4 ranks x local 1 x 2 accumulation steps), recompute of every layer, float32, the lr
     raised; its optimizer (Muon with its momentum, nesterov, adamw_betas, eps, weight decay), data_parallel_shard -1
-    (FSDP: ZeRO over the ranks, run as Muon's whole-matrix ZeRO) and max_norm default kept. MTP set to 0 (refused)."""
+    (FSDP: ZeRO over the ranks, run as Muon's whole-matrix ZeRO) and max_norm default kept. MTP set to 0
+    (test_deepseek4_mtp.py trains it)."""
     d = yaml.safe_load((FIXTURES / name).read_text())
     d["parallelism"]["expert_parallel"] = 2
     d["training"].update(global_batch_size=8, steps=STEPS)
@@ -215,7 +216,7 @@ class _Layout:
 
 
 def test_unsupported_combinations_name_their_key(capsys):
-    """tp, cp, MTP, multi-copy and MindFormers weight names: one clear error each, naming the YAML key; the wheel
+    """tp, cp, legacy MTP, multi-copy and MindFormers weight names: one clear error each, naming the YAML key; the wheel
     configs as written plan at their own world size and refuse 64 ranks naming training.global_batch_size (MindFormers
     2.1: 8 or 16 samples cannot split over data_parallel 64; test_pynative_config.py plans them with a larger one)."""
     from msparallel_ds.cli import main
@@ -230,7 +231,7 @@ def test_unsupported_combinations_name_their_key(capsys):
     assert adapter.expert_bias_of(routers[0]) is None and adapter.expert_bias_of(routers[1]) is not None
     cases = [(lambda: adapter.tp_plan(model.config, 2), "parallel_config.model_parallel (parallelism.tensor_parallel)"),
              (lambda: adapter.check_options(_Layout(cp=2), Options()), "parallelism.context_parallel"),
-             (lambda: adapter.check_options(_Layout(), Options(mtp_depth=1)), "model.num_nextn_predict_layers"),
+             (lambda: adapter.check_options(_Layout(), Options(mtp_depth=1, mtp_legacy=True)), "use_legacy"),
              (lambda: adapter.check_options(_Layout(), Options(interleave=Interleave(copies=2))),
               "micro_batch_interleave_num"),
              (lambda: adapter.mindformers_weights(model.config, legacy=False), "models/deepseek4/utils.py")]
