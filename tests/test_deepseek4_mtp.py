@@ -25,6 +25,7 @@ MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_aux_loss_coeff=AUX,
            moe_router_bias_update_rate=RATE, norm_topk_prob=True, routed_scaling_factor=1.5)
 LAYOUTS = {"dp4_ep2_zero2_mtp": dict(dp=4, zero=2, ep=2, moe=MOE),
            "pp2xdp2_ep2_1f1b_mtp": dict(dp=2, zero=0, ep=2, pp=2, moe=MOE)}
+ROUTER = "model.layers.4.mlp.gate.weight"  # the MTP layer's (layer N = 4)
 FIXTURES = Path(__file__).parent / "fixtures" / "mindformers21"
 V4 = ["pretrain_deepseek4_flash.yaml", "pretrain_deepseek4_flash_reduction.yaml", "pretrain_deepseek4_pro.yaml",
       "pretrain_deepseek4_pro_reduction.yaml"]
@@ -51,7 +52,7 @@ def mtp_model(with_layer=False):
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(11)
         for name, p in model.named_parameters():
-            if name.startswith("model.layers.4.") and name.endswith("mlp.gate.weight"):
+            if name == ROUTER:
                 p.normal_(0.0, 0.5)
     return model
 
@@ -59,7 +60,17 @@ def mtp_model(with_layer=False):
 def _train(name):
     import msparallel_ds as msp
 
-    engine = msp.initialize(mtp_model(with_layer=True), msp.load_config(mtp_yaml(**LAYOUTS[name])), optimizer=_adamw)
+    import torch
+
+    pp = LAYOUTS[name].get("pp", 1) > 1  # pp: the engine adds the MTP layer (seeded); its router gets the test's
+    engine = msp.initialize(mtp_model(with_layer=not pp), msp.load_config(mtp_yaml(**LAYOUTS[name])), optimizer=_adamw)
+    if pp:  # plain AdamW (ZeRO off), no state yet: setting the weight in place is the start
+        start = mtp_model(with_layer=True).state_dict()
+        with torch.no_grad():
+            for k, p in engine.model.named_parameters():
+                if k == ROUTER:
+                    p.copy_(start[k])
+    layer = dict(engine.model.named_modules()).get("model.layers.4")
     rows, lay = engine.micro_batch_size * engine.gradient_accumulation_steps, engine.layout
     losses, mtp, aux = [], [], []
     for step in range(STEPS):
@@ -69,7 +80,7 @@ def _train(name):
         mtp.append(engine.last_mtp_loss)
         aux.append(engine.last_aux_loss)
     return {"losses": losses, "mtp": mtp, "aux": aux, "rows": rows * lay.size("dp"), "micro": engine.micro_batch_size,
-            "state": engine.full_state_dict(rank0_only=True)}
+            "state": engine.full_state_dict(rank0_only=True), "mtp_layer": type(layer).__name__ if layer else None}
 
 
 def _run(rank, world_size, names):
@@ -173,6 +184,9 @@ def test_deepseek_v4_mtp_matches_single_process():
     assert start.model.layers[4].self_attn.layer_type == "sliding_attention"
     for name, layout in LAYOUTS.items():
         r0 = results[0][name]
+        holders = [res[name]["mtp_layer"] for res in results]  # pp: only the last stage's 2 ranks hold it
+        n_holders = 2 if "pp" in layout else 4
+        assert sorted(holders, key=str) == ["DeepseekV4MTPLayer"] * n_holders + [None] * (4 - n_holders), holders
         ref = reference(r0["rows"], r0["micro"] * (4 // layout.get("pp", 1)))  # rows per forward: micro x dp
         for rank, res in enumerate(results):
             r = res[name]
@@ -208,13 +222,22 @@ def test_unscaled_deepseek4_configs_run_mtp(capsys):
     0 (a sliding-window layer: deepseek4_mtp.MTP_ATTENTION). Legacy MTP (use_legacy: true) is refused by its key."""
     import warnings
 
+    import torch
+
     import msparallel_ds as msp
     from msparallel_ds.cli import main
     from msparallel_ds.models import adapter_for
     from msparallel_ds.models.deepseek4_mtp import MTP_ATTENTION
     from msparallel_ds.strategy import Options
 
-    adapter = adapter_for(v4_model())
+    from msparallel_ds.strategy import _add_mtp
+
+    model = v4_model()
+    adapter = adapter_for(model)
+    _add_mtp(model, _Layout(), 1, adapter)  # msp.initialize's path at pp=1: the family's MTP layer, seeded
+    want = mtp_model(with_layer=True).state_dict()
+    assert type(model.model.layers[4]).__name__ == "DeepseekV4MTPLayer" and model.config.num_nextn_predict_layers == 1
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items() if k != ROUTER)
     for name in V4:
         doc = yaml.safe_load((FIXTURES / name).read_text())
         m = doc["model"]
