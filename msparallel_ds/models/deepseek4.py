@@ -18,12 +18,11 @@ loss) is per sequence, on scores normalised over the experts, with f from the to
 choice, so hash layers get it too): `aux_rule` below asks moe.aux_loss for exactly that.
 
 Pipeline stages (DeepseekV4Stage) carry the whole residual, all hc streams, across the boundary, and the input ids to
-every stage. Multi-token prediction (num_nextn_predict_layers) runs MindFormers 2.1's V4 MTP block
-(models.deepseek4_mtp), on the last stage under pp. Refused, each with the key to change: tensor parallel (the
-o_a_proj grouping, the single shared kv head, the sinks and the compressor / indexer branches would all need their
-own splits; none is written), context parallel (the compressors pool whole windows of the sequence and the indexer
-picks among all of them: a sequence shard would change which entries exist) and MindFormers weight names (no map
-written).
+every stage. Refused, each with the key to change: tensor parallel (the o_a_proj grouping, the single shared kv head,
+the sinks and the compressor / indexer branches would all need their own splits; none is written), context
+parallel (the compressors pool whole windows of the sequence and the indexer picks among all of them: a sequence
+shard would change which entries exist) and MindFormers weight names (no map written). Multi-token prediction
+(num_nextn_predict_layers) runs MindFormers 2.1's V4 MTP block: models/deepseek4_mtp.py.
 """
 from __future__ import annotations
 
