@@ -254,3 +254,40 @@ def test_unscaled_deepseek4_configs_run_mtp(capsys):
         capsys.readouterr()
     with pytest.raises(ValueError, match="use_legacy"):
         adapter.check_options(_Layout(), Options(mtp_depth=1, mtp_legacy=True))
+
+
+def test_every_depth_embeds_the_ids_shifted_by_one():
+    """Depth 2 (num_nextn_predict_layers: 2): MindFormers 2.1's block hands every MTP layer the original input_ids,
+    which each rolls by one (multi_token_prediction.py:460, 605-616), so depth 2 embeds ids << 1 too (not ids << 2, as
+    Megatron and models/mtp.py's other families), on depth 1's output; its own layer N + 1, sliding, top-k."""
+    import torch
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    from msparallel_ds.models.deepseek4_mtp import make_mtp_layer
+    from msparallel_ds.models.mtp import add_mtp_layers, run_depths, shift_left
+
+    model = v4_model()
+    layers = add_mtp_layers(model, 2, make_mtp_layer)
+    assert [layer.self_attn.layer_type for layer in layers] == ["sliding_attention"] * 2
+    assert [type(layer.mlp.gate).__name__ for layer in layers] == ["DeepseekV4TopKRouter"] * 2
+    ids = global_batch(0, 2)[0]
+    base = model.model
+    with torch.no_grad():
+        h = base(input_ids=ids).last_hidden_state
+        pos = torch.arange(ids.shape[1])[None].expand(2, -1)
+        rope = {k: base.rotary_emb(h, position_ids=pos, layer_type=k) for k in ("main", "compress")}
+        mask = create_sliding_window_causal_mask(config=model.config, inputs_embeds=h, attention_mask=None, cache=None,
+                                                 position_ids=pos)
+        ctx = dict(position_embeddings=rope, position_ids=pos, attention_mask=mask)
+        shifted = [shift_left(ids, k, 0) for k in (1, 2)]  # what models.mtp.mtp_inputs hands the depths
+        got = run_depths(layers, base.embed_tokens, h, shifted, ctx, hidden_first=False)
+
+        def depth(layer, h, ids_k):
+            x = layer.eh_proj(torch.cat([layer.enorm(base.embed_tokens(ids_k)), layer.hnorm(h)], -1))
+            x = layer(x[:, :, None].repeat(1, 1, model.config.hc_mult, 1), mtp=True, **ctx)
+            return layer.shared_head.norm(layer.hc_head(x))
+
+        first = depth(layers[0], h, shifted[0])
+        assert torch.equal(got[0], first)
+        assert torch.equal(got[1], depth(layers[1], first, shifted[0]))
+        assert not torch.allclose(got[1], depth(layers[1], first, shifted[1]))
