@@ -152,7 +152,7 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
     if adapter is not None and hasattr(adapter, "check_options"):
         adapter.check_options(layout, options)  # what the family refuses, before anything is sharded
     if options.mtp_depth:
-        _add_mtp(part, layout, options.mtp_depth)
+        _add_mtp(part, layout, options.mtp_depth, adapter)
     names = [n for n, _ in part.named_parameters(remove_duplicate=False)]
     plan: dict[str, str] = {}
     if tp > 1:
@@ -224,7 +224,7 @@ def check_mtp(layout: ParallelLayout, depth: int) -> None:
                          "interleave yet; set micro_batch_interleave_num: 1")
 
 
-def _add_mtp(part: nn.Module, layout: ParallelLayout, depth: int) -> None:
+def _add_mtp(part: nn.Module, layout: ParallelLayout, depth: int, adapter=None) -> None:
     """The YAML's MTP layers on a whole model (models.mtp); the pipeline engine adds them before its cut."""
     from .models.mtp import add_mtp_layers
 
@@ -232,7 +232,7 @@ def _add_mtp(part: nn.Module, layout: ParallelLayout, depth: int) -> None:
         raise ValueError(f"model.model_config.mtp_depth={depth} (multi-token prediction): the model has no input "
                          "embedding to share with its MTP layers; set mtp_depth: 0")
     check_mtp(layout, depth)
-    add_mtp_layers(part, depth)
+    add_mtp_layers(part, depth, getattr(adapter, "make_mtp_layer", None))  # a family's own MTP layer, if any
 
 
 # models parallelized by msp.parallelize -> their record, for msp.initialize / accelerate / the Trainer

@@ -7,7 +7,7 @@ expert-bias update of the top-k routers (the hash router has none), gradient acc
 pp2 x dp2 x ep2 (1F1B over 4 micro-batches), where all hyper-connection streams and the input ids cross the stages.
 The four wheel deepseek4 configs, scaled to the tiny model (scaled_v4), train with their own Muon (whole-matrix ZeRO:
 dense over dp, experts over edp) like one process. What the family does not run (a tp that does not divide the
-heads, cp, MTP, multi-copy, MindFormers weight names) is refused with the key to change."""
+heads, cp, legacy MTP, multi-copy, MindFormers weight names) is refused with the key to change."""
 import contextlib
 import json
 import warnings
@@ -47,7 +47,8 @@ def scaled_v4(name):
     factor, hash layers, norm_topk_prob, aux loss, expert bias and router score kept), expert_parallel 8 -> 2,
     global_batch_size 8 (4 ranks x local 1 x 2 accumulation steps), recompute of every layer, float32, the lr
     raised; its optimizer (Muon with its momentum, nesterov, adamw_betas, eps, weight decay), data_parallel_shard -1
-    (FSDP: ZeRO over the ranks, run as Muon's whole-matrix ZeRO) and max_norm default kept. MTP set to 0 (refused)."""
+    (FSDP: ZeRO over the ranks, run as Muon's whole-matrix ZeRO) and max_norm default kept. MTP set to 0
+    (test_deepseek4_mtp.py trains it)."""
     d = yaml.safe_load((FIXTURES / name).read_text())
     d["parallelism"]["expert_parallel"] = 2
     d["training"].update(global_batch_size=8, steps=STEPS)
@@ -216,8 +217,8 @@ class _Layout:
 
 
 def test_unsupported_combinations_name_their_key(capsys):
-    """tp not dividing the heads, cp, MTP, multi-copy and MindFormers weight names: one clear error each, naming the
-    YAML key; the wheel configs as written plan at their own world size and at 64 ranks, where `plan` notes that a
+    """tp not dividing the heads, cp, legacy MTP, multi-copy and MindFormers weight names: one clear error each, naming
+    the YAML key; the wheel configs as written plan at their own world size and at 64 ranks, where `plan` notes that a
     run refuses their global batch (MindFormers 2.1: 8 or 16 samples cannot split over data_parallel 64;
     test_pynative_config.py checks that msp.make_plan without report=True refuses it) and plans the nearest valid
     batch, 64."""
@@ -233,7 +234,7 @@ def test_unsupported_combinations_name_their_key(capsys):
     assert adapter.expert_bias_of(routers[0]) is None and adapter.expert_bias_of(routers[1]) is not None
     cases = [(lambda: adapter.tp_plan(model.config, 8), "parallelism.tensor_parallel"),  # 4 heads; tp 2: *_tp.py
              (lambda: adapter.check_options(_Layout(cp=2), Options()), "parallelism.context_parallel"),
-             (lambda: adapter.check_options(_Layout(), Options(mtp_depth=1)), "model.num_nextn_predict_layers"),
+             (lambda: adapter.check_options(_Layout(), Options(mtp_depth=1, mtp_legacy=True)), "use_legacy"),
              (lambda: adapter.check_options(_Layout(), Options(interleave=Interleave(copies=2))),
               "micro_batch_interleave_num"),
              (lambda: adapter.mindformers_weights(model.config, legacy=False), "models/deepseek4/utils.py")]

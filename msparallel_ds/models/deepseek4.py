@@ -22,8 +22,8 @@ choice, so hash layers get it too): `aux_rule` below asks moe.aux_loss for exact
 Pipeline stages (DeepseekV4Stage) carry the whole residual, all hc streams, across the boundary, and the input ids to
 every stage. Refused, each with the key to change: a tensor-parallel size not dividing the heads and o_groups,
 context parallel (the compressors pool whole windows of the sequence and the indexer picks among all of them: a sequence
-shard would change which entries exist), multi-token prediction (HF V4 ignores `mtp.*` weights) and MindFormers
-weight names (no map written).
+shard would change which entries exist) and MindFormers weight names (no map written). Multi-token prediction
+(num_nextn_predict_layers) runs MindFormers 2.1's V4 MTP block: models/deepseek4_mtp.py.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
+from .deepseek4_mtp import make_mtp_layer
 from .deepseek4_tp import v4_heads, v4_set_local_heads, v4_tp_plan
 from .moe import MoEFamily
 from .stage import StageModule
@@ -51,7 +52,11 @@ class DeepseekV4Family(MoEFamily):
     mindformers_names = {}  # no MindFormers weight map yet (mindformers_weights refuses)
 
     def moe_layers(self, config: Any) -> list[int]:
-        return list(range(config.num_hidden_layers)) if self.num_experts(config) else []
+        """Every layer, the MTP layers (models.deepseek4_mtp: after the decoder's) included."""
+        n = config.num_hidden_layers + (getattr(config, "num_nextn_predict_layers", 0) or 0)
+        return list(range(n)) if self.num_experts(config) else []
+
+    make_mtp_layer = staticmethod(make_mtp_layer)  # models.mtp.add_mtp_layers builds V4's MTP layers with it
 
     @staticmethod
     def expert_bias_of(router: nn.Module) -> Optional[Tensor]:
@@ -77,8 +82,8 @@ class DeepseekV4Family(MoEFamily):
 
     stage_token_ids = True  # the pipeline engine passes the micro-batch's input ids to every stage (hash routers)
 
-    def make_stage(self, model: nn.Module, layer_ids, *, first: bool, last: bool) -> nn.Module:
-        return DeepseekV4Stage.cut(model, layer_ids, first=first, last=last)
+    def make_stage(self, model: nn.Module, layer_ids, *, first: bool, last: bool, mtp: int = 0) -> nn.Module:
+        return DeepseekV4Stage.cut(model, layer_ids, first=first, last=last, mtp=mtp)
 
     def merge_stages(self, stages: list[nn.Module]) -> nn.Module:
         return DeepseekV4Stage.merged(stages)
@@ -89,10 +94,9 @@ class DeepseekV4Family(MoEFamily):
             raise _refused("parallel_config.context_parallel (parallelism.context_parallel)", layout.size("cp"),
                            "its compressors pool whole windows of the sequence and the lightning indexer picks among "
                            "all compressed entries, which a sequence shard would change", "set it to 1")
-        if getattr(options, "mtp_depth", 0):
-            raise _refused("model.num_nextn_predict_layers (mtp_depth)", options.mtp_depth,
-                           "HF DeepseekV4ForCausalLM has no multi-token-prediction layers (it drops mtp.* weights)",
-                           "set it to 0")
+        if getattr(options, "mtp_depth", 0) and getattr(options, "mtp_legacy", False):
+            raise _refused("use_legacy", True, "multi-token prediction runs MindFormers 2.1's pynative V4 MTP block; "
+                           "the legacy (pre-2.x) MTP order does not exist for V4", "set use_legacy: false")
         inter = getattr(options, "interleave", None)
         if inter is not None and (inter.copies > 1 or inter.fine_grain > 1):
             raise _refused("micro_batch_interleave_num / fine_grain_interleave", (inter.copies, inter.fine_grain),
@@ -115,8 +119,8 @@ class DeepseekV4Stage(StageModule):
     tables ("main", "compress") from position_ids, as DeepseekV4Model.forward does."""
 
     @classmethod
-    def cut(cls, model: nn.Module, layer_ids, *, first: bool, last: bool) -> StageModule:
-        stage = super().cut(model, layer_ids, first=first, last=last)
+    def cut(cls, model: nn.Module, layer_ids, *, first: bool, last: bool, mtp: int = 0) -> StageModule:
+        stage = super().cut(model, layer_ids, first=first, last=last, mtp=mtp)
         if last:
             stage.body.hc_head = model.get_submodule(model.base_model_prefix).hc_head
         return stage
@@ -129,7 +133,8 @@ class DeepseekV4Stage(StageModule):
             out.body.hc_head = tail.body.hc_head
         return out
 
-    def forward(self, x: Tensor, position_ids: Tensor, token_ids: Optional[Tensor] = None, **kwargs) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Tensor, token_ids: Optional[Tensor] = None,
+                mtp_ids: Optional[Tensor] = None, **kwargs) -> Tensor:
         from transformers.masking_utils import create_sliding_window_causal_mask
 
         body, config = self.body, self.config
@@ -139,9 +144,14 @@ class DeepseekV4Stage(StageModule):
         mask = create_sliding_window_causal_mask(config=config, inputs_embeds=ref, attention_mask=None, cache=None,
                                                  position_ids=position_ids)
         rope = {kind: body.rotary_emb(ref, position_ids=position_ids, layer_type=kind) for kind in ("main", "compress")}
-        for layer in body.layers.values():
+        for layer in body.layers.values():  # MTP layers (last stage) pass x through: run below
             x = layer(x, position_embeddings=rope, position_ids=position_ids, attention_mask=mask, input_ids=token_ids,
                       **kwargs)
         if not self.is_last:
             return x
-        return self.lm_head(body.norm(body.hc_head(x)))
+        out = body.norm(body.hc_head(x))
+        if self.mtp is None:
+            return self.lm_head(out)
+        ctx = dict(position_embeddings=rope, position_ids=position_ids, attention_mask=mask, **kwargs)
+        hs = self.mtp.run(out, x, body.embed_tokens, mtp_ids.unbind(1), ctx)  # (logits, depth 1 .. D logits)
+        return (self.lm_head(out), *(self.lm_head(h) for h in hs))

@@ -41,9 +41,10 @@ def mtp_layers(model: nn.Module) -> list[nn.Module]:
     return list(base.layers)[model.config.num_hidden_layers:]
 
 
-def add_mtp_layers(model: nn.Module, depth: int) -> list[nn.Module]:
+def add_mtp_layers(model: nn.Module, depth: int, make_layer=None) -> list[nn.Module]:
     """Give a HF causal LM `depth` MTP layers (kept when it has them already; seeded init otherwise, on the model's
-    device, meta included); sets config.num_nextn_predict_layers. Returns the MTP layers."""
+    device, meta included); sets config.num_nextn_predict_layers. Returns the MTP layers. `make_layer(model, k)`: a
+    family's own MTP layer k (its adapter's make_mtp_layer: DeepSeek-V4); default the one described above."""
     base = model.get_submodule(model.base_model_prefix)
     config, have = model.config, mtp_layers(model)
     if len(have) > depth:
@@ -55,11 +56,14 @@ def add_mtp_layers(model: nn.Module, depth: int) -> list[nn.Module]:
     with torch.random.fork_rng(devices=[]), torch.device(device):
         for k in range(len(have), depth):
             torch.manual_seed(MTP_SEED + k)
-            layer = decoder(config, config.num_hidden_layers + k)
-            layer.enorm, layer.hnorm = norm(h, eps=config.rms_norm_eps), norm(h, eps=config.rms_norm_eps)
-            layer.eh_proj = nn.Linear(2 * h, h, bias=False)
-            layer.shared_head = nn.Module()
-            layer.shared_head.norm = norm(h, eps=config.rms_norm_eps)
+            if make_layer is not None:
+                layer = make_layer(model, k)
+            else:
+                layer = decoder(config, config.num_hidden_layers + k)
+                layer.enorm, layer.hnorm = norm(h, eps=config.rms_norm_eps), norm(h, eps=config.rms_norm_eps)
+                layer.eh_proj = nn.Linear(2 * h, h, bias=False)
+                layer.shared_head = nn.Module()
+                layer.shared_head.norm = norm(h, eps=config.rms_norm_eps)
             if device.type != "meta":
                 layer.apply(model._init_weights)
             base.layers.append(layer)
@@ -70,7 +74,11 @@ def add_mtp_layers(model: nn.Module, depth: int) -> list[nn.Module]:
 def run_depths(layers, embed: nn.Module, h: Tensor, ids: list[Tensor], ctx: dict, *, hidden_first: bool,
                scatter=None) -> list[Tensor]:
     """h_1 .. h_D from the decoder's output h and depth k's shifted ids (module docstring); `ctx`: the decoder
-    layers' keyword arguments (position embeddings, mask, ...)."""
+    layers' keyword arguments (position embeddings, mask, ...). A family's own MTP layers run their own block
+    (`run_depths` on the layer class: DeepSeek-V4's, models.deepseek4_mtp)."""
+    own = getattr(layers[0], "run_depths", None) if len(layers) else None
+    if own is not None:
+        return own(layers, embed, h, ids, ctx)
     outs = []
     for layer, ids_k in zip(layers, ids):
         e = embed(ids_k)

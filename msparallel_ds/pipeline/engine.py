@@ -333,7 +333,7 @@ def initialize_pipeline(model: nn.Module, layout: ParallelLayout, optimizer=None
         from ..strategy import check_mtp
 
         check_mtp(layout, depth)
-        add_mtp_layers(model, depth)
+        add_mtp_layers(model, depth, getattr(adapter_for(model), "make_mtp_layer", None))  # a family's own
     counts = plan.layers_per_stage
     if counts is None:  # the YAML gives no num_layers: the model's count with the YAML's offsets
         n = adapter_for(model).layer_count(model) - depth
