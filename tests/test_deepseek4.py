@@ -207,13 +207,13 @@ def test_scaled_deepseek4_configs_train_like_one_process():
 
 
 class _Layout:
-    """The two sizes check_options reads."""
+    """The sizes check_options reads."""
 
-    def __init__(self, cp=1):
-        self.cp = cp
+    def __init__(self, cp=1, tp=1):
+        self.sizes = {"cp": cp, "tp": tp}
 
     def size(self, name):
-        return self.cp if name == "cp" else 1
+        return self.sizes.get(name, 1)
 
 
 def test_unsupported_combinations_name_their_key(capsys):
@@ -235,6 +235,7 @@ def test_unsupported_combinations_name_their_key(capsys):
     cases = [(lambda: adapter.tp_plan(model.config, 8), "parallelism.tensor_parallel"),  # 4 heads; tp 2: *_tp.py
              (lambda: adapter.check_options(_Layout(cp=2), Options()), "parallelism.context_parallel"),
              (lambda: adapter.check_options(_Layout(), Options(mtp_depth=1, mtp_legacy=True)), "use_legacy"),
+             (lambda: adapter.check_options(_Layout(tp=2), Options(mtp_depth=1)), "model.num_nextn_predict_layers"),
              (lambda: adapter.check_options(_Layout(), Options(interleave=Interleave(copies=2))),
               "micro_batch_interleave_num"),
              (lambda: adapter.mindformers_weights(model.config, legacy=False), "models/deepseek4/utils.py")]

@@ -97,6 +97,11 @@ class DeepseekV4Family(MoEFamily):
         if getattr(options, "mtp_depth", 0) and getattr(options, "mtp_legacy", False):
             raise _refused("use_legacy", True, "multi-token prediction runs MindFormers 2.1's pynative V4 MTP block; "
                            "the legacy (pre-2.x) MTP order does not exist for V4", "set use_legacy: false")
+        if getattr(options, "mtp_depth", 0) and layout.size("tp") > 1:
+            raise _refused("model.num_nextn_predict_layers with parallelism.tensor_parallel", layout.size("tp"),
+                           "the V4 MTP layer has no tensor-parallel plan yet (its eh_proj / enorm / hnorm / hc_head "
+                           "inputs would need the decoder's sequence and vocab splits undone)",
+                           "set tensor_parallel to 1 with MTP, or num_nextn_predict_layers to 0")
         inter = getattr(options, "interleave", None)
         if inter is not None and (inter.copies > 1 or inter.fine_grain > 1):
             raise _refused("micro_batch_interleave_num / fine_grain_interleave", (inter.copies, inter.fine_grain),
