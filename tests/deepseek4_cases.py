@@ -108,7 +108,7 @@ def v4_reference(steps, rows, clip=1.0, optimizer=None, bias_rate=None, aux=0.0,
             total_aux += float(extra) * micro / rows
             if kl is not None:
                 total_aux += float(kl.pop_total()) * micro / rows
-        for p in model.parameters():  # unused this step (the indexer: no loss reaches it; a compressor with no
+        for p in model.parameters():  # unused this step (the indexer without its loss; a compressor with no
             if p.grad is None:         # entry): a zero gradient, as MindSpore gives every trainable parameter,
                 p.grad = torch.zeros_like(p)  # so weight decay still applies (DeepSpeed fills them so too)
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))

@@ -65,11 +65,19 @@ class _CsaLayerLoss:
         self.attn, self.aux, self.coeff, self.shards = attn, aux, coeff, shards
         self.compressor = attn.compressor
         self.state: dict[str, Any] = {}
+        indexer = self.compressor.indexer
         attn.register_forward_pre_hook(self.keep_rope, with_kwargs=True)
         attn.q_b_norm.register_forward_hook(self.keep_query)
-        self.compressor.indexer.register_forward_pre_hook(self.detach_inputs)
-        self.compressor.indexer.scorer.register_forward_hook(self.keep_scores)
+        indexer.register_forward_pre_hook(self.detach_inputs)
+        indexer.scorer.register_forward_hook(self.keep_scores)
         self.compressor.register_forward_hook(self.attach)
+        # ZeRO-3 gathers a module's own weights for its backward when a gradient reaches its outputs; the indexer's
+        # are top-k indices, so its position_bias would be a released shard when the loss's gradient reaches it:
+        # the attention (whose output the gradient crosses first) holds it as DeepSpeed's external parameter
+        from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+        for p in indexer.parameters(recurse=False):
+            register_external_parameter(attn, p)
 
     def keep_rope(self, attn, args, kwargs):
         pe = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
