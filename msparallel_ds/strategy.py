@@ -16,6 +16,7 @@ an attribute of the package as soon as it is imported.)
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -173,6 +174,9 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
     ep_plan, aux_loss = apply_ep(part, layout, adapter, options.capacity, options.aux_loss)
     if adapter is not None and hasattr(adapter, "install_losses"):  # a family's own auxiliary losses (V4: indexer)
         aux_loss = adapter.install_losses(part, layout, options, aux_loss)
+    elif options.indexer_loss_coeff:
+        warnings.warn(f"model.dsa_indexer_loss_coeff={options.indexer_loss_coeff:g} is not applied to "
+                      f"{type(part).__name__}: only DeepSeek-V4's CSA indexers get that loss here", stacklevel=2)
     if layout.size("pp") == 1:
         from .tensor_parallel.replicated import install as sum_replicated_grads
 

@@ -152,11 +152,14 @@ def test_bf16_routers_route_like_fp32():
 
 
 def test_yaml_keys_reach_the_model():
+    import types
+
     import yaml
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     import msparallel_ds as msp
     from msparallel_ds.config.errors import ConfigError
-    from msparallel_ds.strategy import Options
+    from msparallel_ds.strategy import Options, parallelize_part
 
     doc = yaml.safe_load(V4_YAML.read_text())
     with warnings.catch_warnings():
@@ -173,6 +176,10 @@ def test_yaml_keys_reach_the_model():
             with pytest.raises(ConfigError) as ei:
                 msp.load_config(ep_yaml(dp=4, moe={**MOE, key: value}))
             assert key in str(ei.value), str(ei.value)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    with pytest.warns(UserWarning, match="dsa_indexer_loss_coeff=1 is not applied to LlamaForCausalLM"):
+        parallelize_part(llama, types.SimpleNamespace(size=lambda name: 1), Options(indexer_loss_coeff=1.0))
 
 
 def _train(name):
