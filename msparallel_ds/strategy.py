@@ -16,6 +16,7 @@ an attribute of the package as soon as it is imported.)
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -61,6 +62,7 @@ class Options:
     mtp_depth: int = 0                 # multi-token-prediction layers (models.mtp); 0: off
     mtp_scale: float = 0.0             # mtp_loss_scaling_factor
     mtp_legacy: bool = False           # MindFormers' legacy MTP: pre-norm hidden, [hnorm(h), enorm(emb)]
+    indexer_loss_coeff: float = 0.0    # dsa_indexer_loss_coeff: DeepSeek-V4's indexer loss (adapter.install_losses)
 
     @classmethod
     def from_plan(cls, plan: Any) -> Options:
@@ -81,7 +83,8 @@ class Options:
         if model is not None and model.mtp_depth:
             scale = DEFAULT_MTP_SCALE if model.mtp_loss_factor is None else float(model.mtp_loss_factor)
             mtp = dict(mtp_depth=model.mtp_depth, mtp_scale=scale, mtp_legacy=plan.config.use_legacy)
-        return cls(capacity=capacity, aux_loss=aux, expert_bias_rate=bias, **mtp,
+        indexer = float(getattr(model, "dsa_indexer_loss_coeff", None) or 0.0)
+        return cls(capacity=capacity, aux_loss=aux, expert_bias_rate=bias, **mtp, indexer_loss_coeff=indexer,
                    sequence_parallel=bool(get("sequence_parallel", False)),
                    vocab_parallel=bool(get("vocab_parallel", False)), cp_algo=get("cp_algo", None),
                    recompute=get("recompute", None), activation_offload=get("activation_offload", None),
@@ -169,6 +172,11 @@ def parallelize_part(part: nn.Module, layout: ParallelLayout, options: Options, 
         if routing_of(settings):  # norm_topk_prob / routed_scaling_factor: the YAML's, as MindFormers computes
             apply_routing(part, adapter or adapter_for(part), settings)
     ep_plan, aux_loss = apply_ep(part, layout, adapter, options.capacity, options.aux_loss)
+    if adapter is not None and hasattr(adapter, "install_losses"):  # a family's own auxiliary losses (V4: indexer)
+        aux_loss = adapter.install_losses(part, layout, options, aux_loss)
+    elif options.indexer_loss_coeff:
+        warnings.warn(f"model.dsa_indexer_loss_coeff={options.indexer_loss_coeff:g} is not applied to "
+                      f"{type(part).__name__}: only DeepSeek-V4's CSA indexers get that loss here", stacklevel=2)
     if layout.size("pp") == 1:
         from .tensor_parallel.replicated import install as sum_replicated_grads
 

@@ -47,17 +47,34 @@ def _routers(model):
     return [(n, m) for n, m in model.named_modules() if n.endswith("mlp.gate")]
 
 
-def v4_reference(steps, rows, clip=1.0, optimizer=None, bias_rate=None, aux=0.0, micro=None, **overrides):
+class OneRank:
+    """A one-process layout: every parallel size 1."""
+
+    @staticmethod
+    def size(name):
+        return 1
+
+
+def v4_reference(steps, rows, clip=1.0, optimizer=None, bias_rate=None, aux=0.0, micro=None, indexer=0.0,
+                 **overrides):
     """One process on the whole global batch (`micro` rows per forward, gradients summed as the global token mean:
     equal token counts): HF loss + MindFormers 2.1's pynative seq aux loss written plainly (per sequence: P = the
     sqrt(softplus) scores normalised over the experts, mean over the sequence; f = the top-k of those scores /
     (k x tokens); coeff x E x sum_e P_e f_e, mean over sequences, every MoE layer incl. the hash-routed one),
     clip_grad_norm_, the optimizer (`optimizer(model)` or AdamW), and with `bias_rate` the expert-bias update from the
-    top-k routers' routed choices of the whole step; `overrides`: v4_config's. Returns (losses, state, aux values)."""
+    top-k routers' routed choices of the whole step; `indexer`: dsa_indexer_loss_coeff, the lightning-indexer loss of
+    models/deepseek4_indexer.py (checked against MindSpore in test_deepseek4_indexer.py) added to the loss and to the
+    aux values; `overrides`: v4_config's. Returns (losses, state, aux values)."""
     import torch
+
+    from msparallel_ds.models import adapter_for
+    from msparallel_ds.models.deepseek4_indexer import install_indexer_loss
 
     model = v4_model(**overrides)
     micro = micro or rows
+    kl = install_indexer_loss(model, adapter_for(model), OneRank(), indexer, None) if indexer else None
+    if kl is not None:
+        kl.scale = micro / rows  # d(loss)/d(term), as the micro-batch's LM loss below
     terms, counts = [], {}
 
     def hook(router, args, out, name):
@@ -89,7 +106,9 @@ def v4_reference(steps, rows, clip=1.0, optimizer=None, bias_rate=None, aux=0.0,
             ((loss + extra) * (micro / rows)).backward()
             total += loss.item() * micro / rows
             total_aux += float(extra) * micro / rows
-        for p in model.parameters():  # unused this step (the indexer: no loss reaches it; a compressor with no
+            if kl is not None:
+                total_aux += float(kl.pop_total()) * micro / rows
+        for p in model.parameters():  # unused this step (the indexer without its loss; a compressor with no
             if p.grad is None:         # entry): a zero gradient, as MindSpore gives every trainable parameter,
                 p.grad = torch.zeros_like(p)  # so weight decay still applies (DeepSpeed fills them so too)
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))

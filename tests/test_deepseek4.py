@@ -193,7 +193,8 @@ def test_scaled_deepseek4_configs_train_like_one_process():
             ref_losses, ref_state, ref_aux = v4_reference(
                 STEPS, 8, clip=plan.gradient_clipping, aux=m["moe_aux_loss_coeff"],
                 bias_rate=m["moe_router_bias_update_rate"], optimizer=lambda model: msp.build_optimizer(model, cfg),
-                routed_scaling_factor=m["routed_scaling_factor"], num_hash_layers=m["num_hash_layers"])
+                routed_scaling_factor=m["routed_scaling_factor"], num_hash_layers=m["num_hash_layers"],
+                indexer=m["dsa_indexer_loss_coeff"])
         for got, want in zip(r["losses"], ref_losses):
             assert _rel(got, want) <= 1e-6, (name, r["losses"], ref_losses)
         for got, want in zip(r["aux"], ref_aux):

@@ -83,7 +83,7 @@ def test_legacy_settings_follow_mindformers_defaults():
     assert set(d) == {"source", "num_experts", "top_k", "capacity_factor", "drop_policy", "aux_loss_coeff",
                       "aux_loss_scope", "z_loss_coeff", "shared_experts", "shared_expert_intermediate_size",
                       "moe_intermediate_size", "first_k_dense_replace", "norm_topk_prob", "expert_bias",
-                      "bias_update_rate", "expert_model_parallel", "routed_scaling_factor"}
+                      "bias_update_rate", "expert_model_parallel", "routed_scaling_factor", "router_dtype"}
 
 
 def test_mcore_settings_and_spellings():

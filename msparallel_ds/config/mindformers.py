@@ -43,6 +43,7 @@ MODEL_ALIASES = {
     "qk_nope_head_dim": ("qk_nope_head_dim", "qk_head_dim"),  # Megatron's qk_head_dim excludes the rope part
     "v_head_dim": ("v_head_dim",),
     "mtp_loss_factor": ("mtp_loss_factor", "mtp_loss_scaling_factor"),
+    "dsa_indexer_loss_coeff": ("dsa_indexer_loss_coeff",),
     "compute_dtype": ("compute_dtype",),
     "param_init_type": ("param_init_type", "params_dtype"),
     "fine_grain_interleave": ("fine_grain_interleave",),

@@ -73,6 +73,8 @@ MCORE_MOE_KEYS = {n for names in MCORE.values() for n in names if n.startswith("
     "moe_router_dtype", "moe_router_topk_scaling_factor", "moe_router_force_expert_balance", "moe_router_fusion",
     "moe_shared_expert_overlap", "moe_layer_freq", "moe_permute_fusion", "moe_apply_probs_on_input",
     "moe_n_hash_layers"}
+ROUTER_DTYPES = {"float64": "float64", "fp64": "float64", "float32": "float32", "fp32": "float32",
+                 "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
 SCOPES = {"sub_seq_aux_loss": "sub_sequence", "seq_aux_loss": "sequence", "gbs_aux_loss": "global_batch"}
 MAX_INT = 1 << 40
 _BAD = object()
@@ -221,7 +223,7 @@ def _legacy(sec: dict, cfg: ParallelConfig, issues: list[ConfigIssue]) -> Option
         first_k_dense_replace=int(first_k) if first_k is not None else None,
         norm_topk_prob=r.get("norm_topk_prob", "bool"), expert_bias=r.get("balance_via_topk_bias", "bool", False),
         bias_update_rate=r.get("topk_bias_update_rate", "num"), expert_model_parallel=emp,
-        routed_scaling_factor=_scaling(r, "routed_scaling_factor"),
+        routed_scaling_factor=_scaling(r, "routed_scaling_factor"), router_dtype=dtype,
         aux_loss_scope="sub_sequence")  # each dp group's own tokens: modules/transformer/moe.py:493, :1413-1427
     use_gmm = r.get("use_gmm", "bool", False)
     if experts is None or experts <= 1 or r.bad:
@@ -299,7 +301,13 @@ def _mcore(mc: dict, cfg: ParallelConfig, issues: list[ConfigIssue]) -> Any:
         ("routed_scaling_factor", MCORE["routed_scaling_factor"], "num", None),
         ("expert_bias", MCORE["expert_bias"], "bool", False),
         ("bias_update_rate", MCORE["bias_update_rate"], "num", None),
-        ("n_group", MCORE["n_group"], "count0", None), ("topk_group", MCORE["topk_group"], "count0", None))}
+        ("n_group", MCORE["n_group"], "count0", None), ("topk_group", MCORE["topk_group"], "count0", None),
+        ("router_dtype", ("moe_router_dtype",), "str", "float32"))}  # default float32: transformer_config.py:1927
+    if got["router_dtype"] is not None and got["router_dtype"] not in ROUTER_DTYPES:
+        r.issue("router_dtype", got["router_dtype"], "must be one of " + ", ".join(ROUTER_DTYPES) + " (parallel_core/"
+                "transformer_config.py:33-42, convert_str_to_mstype)", "write float32")
+    elif got["router_dtype"] is not None:
+        got["router_dtype"] = ROUTER_DTYPES[got["router_dtype"]]
     experts, top_k, scope = got["num_experts"], got["top_k"], got["aux_loss_scope"]
     if got["routed_scaling_factor"] is not None and got["routed_scaling_factor"] <= 0:
         r.issue("routed_scaling_factor", got["routed_scaling_factor"], "must be > 0 (it multiplies the routing "

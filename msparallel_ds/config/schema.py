@@ -236,6 +236,8 @@ class ModelShape(_Section):
     qk_nope_head_dim: Optional[Count] = None
     v_head_dim: Optional[Count] = None
     mtp_loss_factor: Optional[Number] = None  # reported in the plan's notes only
+    # DeepSeek-V4's lightning-indexer KL loss (models/deepseek4_indexer.py); 0 / unset: off
+    dsa_indexer_loss_coeff: Optional[Annotated[float, Field(allow_inf_nan=False, ge=0, le=1e30)]] = None
     # the block's structure beyond the Llama shape (config/model_traits.py reads it per family; model_params.py counts)
     head_dim: Optional[Count] = None  # None: hidden_size / num_heads
     qkv_bias: StrictBool = False

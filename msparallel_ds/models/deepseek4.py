@@ -107,6 +107,12 @@ class DeepseekV4Family(MoEFamily):
             raise _refused("micro_batch_interleave_num / fine_grain_interleave", (inter.copies, inter.fine_grain),
                            "the multi-copy runner does not pass the input ids the hash routers read", "set them to 1")
 
+    def install_losses(self, part: nn.Module, layout: Any, options: Any, aux: Any) -> Any:
+        """MindFormers 2.1's lightning-indexer loss (dsa_indexer_loss_coeff) on every CSA layer (deepseek4_indexer)."""
+        from .deepseek4_indexer import install_indexer_loss
+
+        return install_indexer_loss(part, self, layout, getattr(options, "indexer_loss_coeff", 0.0), aux)
+
     def layer_parts(self, layer: nn.Module):
         return None
 

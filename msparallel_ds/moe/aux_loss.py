@@ -99,6 +99,7 @@ class AuxLoss:
     z_coeff: float = 0.0
     scale: float = 1.0
     routers: int = 0  # MoE layers hooked (install_aux_loss)
+    others: int = 0  # other terms recorded per forward through this state (DeepSeek-V4's indexer loss per CSA layer)
     score: str = "softmax"  # the router's score function: "softmax" | "sigmoid" | "sqrtsoftplus"
     choice: str = "routed"  # f counts "routed" (the router's top-k) | "scores" (top-k of the normalised scores:
     # MindFormers 2.1 pynative moe_utils.compute_routing_scores_for_aux_loss, also on hash-routed layers)
@@ -112,6 +113,11 @@ class AuxLoss:
         self._accu: dict[int, Tensor] = {}  # router id -> gbs_aux_loss's fi_accu of this step
         self._seen: dict[int, int] = {}  # router id -> trained forwards since the last end_step
         self._passed: Optional[set[int]] = None  # routers whose shape-inference forward was let pass (skip_inference)
+
+    @property
+    def terms(self) -> int:
+        """Values recorded per trained forward of the part: one per router and per other term."""
+        return self.routers + self.others
 
     def skip_inference(self) -> None:
         """The next trained forward of each router is torch.distributed.pipelining's shape inference (a forward +

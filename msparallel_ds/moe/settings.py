@@ -38,6 +38,7 @@ class MoESettings:
     bias_update_rate: Optional[float]
     expert_model_parallel: Optional[int]  # legacy only
     routed_scaling_factor: Optional[float] = None  # routing weights x this (router.py:295); None: the HF model's
+    router_dtype: Optional[str] = None  # the router's compute dtype (moe_router_dtype / router_dense_type; moe.routing)
     # (field, YAML key path as written) for messages; not part of the settings' value
     keys: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 

@@ -226,7 +226,7 @@ class PipelineEngine:
         losses = [r.aux_loss for r in self._records if r.aux_loss is not None]
         if not losses:
             return
-        t = sum(aux.pop_total(last=aux.routers * self._forwards).float().cpu() for aux in losses).to(self.device)
+        t = sum(aux.pop_total(last=aux.terms * self._forwards).float().cpu() for aux in losses).to(self.device)
         for aux in losses:
             aux.end_step()
         for name in ("dp_cp", "tp", "pp"):
