@@ -103,6 +103,14 @@ def test_hooks_use_the_attention_inputs_and_train_only_the_indexer(monkeypatch):
     assert grad.dtype == torch.bfloat16 and bool(grad.isfinite().all()) and float(grad.abs().max()) > 0
     assert abs(float(aux.pop_total()) - float(want)) <= 0.05 * float(want)
 
+    class TwoTp(OneRank):  # tensor parallel splits the heads the target sums over: refused, naming both keys
+        @staticmethod
+        def size(name):
+            return 2 if name == "tp" else 1
+
+    with pytest.raises(ValueError, match="dsa_indexer_loss_coeff=.*tensor_parallel=2"):
+        install_indexer_loss(v4_model(), adapter_for(model), TwoTp(), COEFF, None)
+
 
 def _bf16_routers():
     import torch

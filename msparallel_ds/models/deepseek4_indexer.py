@@ -119,10 +119,16 @@ def install_indexer_loss(part: nn.Module, adapter: Any, layout: Any, coeff: floa
               if getattr(getattr(layer.self_attn, "compressor", None), "indexer", None) is not None]
     if not coeff or not layers:
         return aux
+    if layout.size("tp") > 1:  # the target sums attention over all heads; tp splits them (models/deepseek4_tp.py)
+        raise ValueError(f"DeepSeek-V4: model.dsa_indexer_loss_coeff={coeff:g} with parallelism.tensor_parallel="
+                         f"{layout.size('tp')} is not supported: the indexer loss's target sums the attention "
+                         "probabilities over all heads, which tensor parallel splits over ranks, and the replicated "
+                         "indexer's grads are not summed over tp; set tensor_parallel to 1, or "
+                         "dsa_indexer_loss_coeff: 0 (the indexer is then not trained)")
     if aux is None:
         config = part.config
         aux = AuxLoss(layout, adapter.num_experts(config), config.num_experts_per_tok)
-    shards = layout.size("dp_cp") * layout.size("tp")
+    shards = layout.size("dp_cp")
     for attn in layers:
         _CsaLayerLoss(attn, aux, float(coeff), shards)
     aux.others += len(layers)

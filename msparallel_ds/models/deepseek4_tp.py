@@ -16,8 +16,8 @@ Replicated without a grad sum: the lightning indexer (compressor.indexer: its ow
 index_n_heads, weights_proj). It picks the top-k compressed entries from a sum over its heads; split over tp, that
 sum would need an all-reduce and a rounding difference could flip a pick, so every rank runs it whole on the same
 (gathered) input and gets the same picks. No loss reaches it (its picks are indices), so it has no grad to sum.
-(An indexer KL loss, MindFormers' dsa_indexer_loss_coeff, would need its target, the attention probabilities summed
-over all heads, all-reduced over tp first; its grads would then be whole on every rank, still not summed.)
+(The indexer KL loss, MindFormers' dsa_indexer_loss_coeff, is refused with tp > 1 (models/deepseek4_indexer.py): its
+target, the attention probabilities summed over all heads, would need an all-reduce over tp first.)
 MindFormers 2.1's pynative DeepSeek-V4 (base_models/gpt/parallelize.py _dsv4_attention_layer_plan) splits only
 q-up and gathers q back, running the whole CSA replicated, because its fused indexer-KL loss sums attention
 probabilities over all heads before normalising; without that loss the head split here is exact.
