@@ -12,8 +12,8 @@ rest, whole matrices under tp and ZeRO) with four differences, each read from th
   lr * matched_adamw_rms * sqrt(max(piece rows, piece cols)) (muon.py:1219). Of gpt_model.py:798's rules only the
   routed experts' `experts.weight1` ([gate | up] halves) has a counterpart in HF's layouts: the fused experts'
   `experts.gate_up_proj` [E, 2I, H], split into its gate and up halves (dim -2; MindFormers' pieces are their
-  transposes, which Newton-Schulz maps to the same wide matrix). weight2 (reshape only) is HF's expert down projection; the
-  MLA rules (linear_qb / linear_kvb / linear_qkv, fc1 halves) concern MindFormers' concatenated tensors, which HF
+  transposes, which Newton-Schulz maps to the same wide matrix). weight2 (reshape only) is HF's expert down
+  projection; the MLA rules (linear_qb / linear_kvb / linear_qkv, fc1 halves) concern MindFormers' concatenated tensors, which HF
   keeps apart (DeepSeek-V4's q_a/q_b/kv/o_a projections match no rule in MindFormers either).
 - `adamw_include` (fnmatch globs, default ["*word_embeddings*", "*output_layer*"]) picks the 2-D/3-D weights kept
   on AdamW (muon.py:2375), matched against the parameter's name and, for the embedding table and the output head,
