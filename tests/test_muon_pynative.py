@@ -3,8 +3,8 @@ configs) runs 2.1's pynative Muon (msparallel_ds.optim.muon_pynative): checked a
 2.7 (tests/fixtures/mindspore_optim/muon_pynative.json: 5 steps, the YAMLs' 8 + 2 Newton-Schulz schedule, the fused
 expert gate/up tensor orthogonalised and scaled as two halves, AdamW for embedding / head / norm / bias; float32
 Newton-Schulz on both sides), through msp.build_optimizer; the deepseek4 YAML's keys read (no "not applied"
-warnings), adamw_include, the bad values refused; and under ZeRO (2 gloo processes, whole parameters per rank)
-against one process."""
+warnings), adamw_include, the bad values refused; and on 2 gloo processes, under whole-parameter ZeRO and under
+tensor parallel (a tp-split fused expert gate/up gathered, then halved), against one process."""
 import json
 import warnings
 from pathlib import Path
@@ -191,12 +191,44 @@ def _zero(rank, world, _):
     diff = max(((a - b).abs().max() / b.abs().max()).item()
                for a, b in zip(model.parameters(), ref.parameters()))
     return {"type": type(local).__name__, "owned": owned, "diff": diff,
-            "halves": getattr(model.layers[0].experts.gate_up_proj, "muon_gate_up_halves", False)}
+            "halves": getattr(model.layers[0].experts.gate_up_proj, "muon_gate_up_halves", False),
+            "tp": _tp(rank, world)}
 
 
-def test_zero_matches_one_process():
+def _tp(rank, world):
+    """Tensor parallel over the 2 ranks: a fused expert gate_up split per half on its dim 1 (gathered, then its two
+    halves orthogonalised apart) and a column-split matrix, against the unsharded PynativeMuon."""
+    import torch.distributed as dist
+
+    from msparallel_ds.tensor_parallel.spec import Shard
+
+    gen = torch.Generator().manual_seed(3)
+    shards = {"gate_up": Shard(1, "split", parts=2), "col": Shard(0, "split")}
+    full = {"gate_up": torch.randn(2, 8, 6, generator=gen), "col": torch.randn(12, 5, generator=gen)}
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in full.items()} for _ in range(3)]
+    whole = {k: nn.Parameter(v.clone()) for k, v in full.items()}
+    local = {k: shards[k].parameter(shards[k].local(v, world, rank).clone()) for k, v in full.items()}
+    whole["gate_up"].muon_gate_up_halves = local["gate_up"].muon_gate_up_halves = True
+
+    def muon(params, group=None):
+        return PynativeMuon([{"params": params, "use_muon": True}], lr=0.05, weight_decay=0.1,
+                            ns_dtype=torch.float32, tp_group=group,
+                            ns_coefficients=FIX["optimizer"]["ns_coefficients"])
+
+    opts = [muon(list(whole.values())), muon(list(local.values()), dist.group.WORLD)]
+    for g in grads:
+        for k in full:
+            whole[k].grad, local[k].grad = g[k].clone(), shards[k].local(g[k], world, rank).clone()
+        for o in opts:
+            o.step()
+    return {k: ((local[k].detach() - shards[k].local(whole[k].detach(), world, rank)).abs().max()
+                / whole[k].detach().abs().max()).item() for k in full}
+
+
+def test_zero_and_tp_match_one_process():
     out = run_distributed(_zero, 2, None, timeout=120)
     total = sum(p.numel() for p in Toy().parameters())
     assert all(r["type"] == "PynativeMuon" and r["halves"] for r in out)
     assert sum(r["owned"] for r in out) == total and all(0 < r["owned"] < total for r in out)
     assert all(r["diff"] <= 1e-6 for r in out), out
+    assert all(v <= 1e-6 for r in out for v in r["tp"].values()), [r["tp"] for r in out]
