@@ -165,9 +165,13 @@ class OptimizerConfig(_Section):
     nesterov: Optional[StrictBool] = None
     adamw_betas: Optional[tuple[Number, Number]] = None
     adamw_eps: Optional[Number] = None
-    ns_steps: Optional[Count] = None  # stored and never read by 2.1's muon.py (optim.muon warns)
-    ns_coefficients: Optional[list[Any]] = None  # not read by 2.1's muon.py either
+    # ns_steps / ns_coefficients / comm_strategy: unread by 2.1's core muon.py (optim.muon warns); the pynative Muon
+    # (`parallelism:` YAMLs) reads them and eps / adamw_include / use_fused_adamw (optim.muon_pynative)
+    ns_steps: Optional[Count] = None
+    ns_coefficients: Optional[list[Any]] = None
     comm_strategy: Optional[str] = None
+    adamw_include: Optional[Union[str, list[str]]] = None
+    use_fused_adamw: Optional[StrictBool] = None
     qk_clip_enabled: Optional[StrictBool] = None
     qk_clip_threshold: Optional[Number] = None
 

@@ -56,20 +56,32 @@ def optimizer_spec(cfg) -> tuple[Callable[..., torch.optim.Optimizer], dict[str,
     return cls, kwargs
 
 
+def _pynative(cfg) -> bool:
+    """A MindFormers 2.1 pynative-schema YAML (`parallelism:` / `training:`): it runs pynative/optimizer/muon.py."""
+    return cfg.parallelism is not None or cfg.training is not None
+
+
 def _muon_spec(cfg):
     from .muon import Muon, check_muon_layout
+    from .muon_pynative import PynativeMuon, check_pynative_keys
 
     opt = cfg.optimizer
-    check_muon_layout(cfg)
+    pynative = _pynative(cfg)
+    check_muon_layout(cfg, pynative)
 
     def pick(value, default):  # muon.py's defaults where the YAML is silent
         return default if value is None else value
 
-    return Muon, dict(lr=_learning_rate(cfg), weight_decay=float(opt.weight_decay or 0.0),
-                      matched_adamw_rms=float(pick(opt.matched_adamw_rms, 0.2)),
-                      momentum=float(pick(opt.momentum, 0.95)), nesterov=pick(opt.nesterov, True),
-                      adamw_betas=tuple(float(b) for b in pick(opt.adamw_betas, (0.95, 0.95))),
-                      adamw_eps=float(pick(opt.adamw_eps, 1e-8)))
+    kwargs = dict(lr=_learning_rate(cfg), weight_decay=float(opt.weight_decay or 0.0),
+                  matched_adamw_rms=float(pick(opt.matched_adamw_rms, 0.2)),
+                  momentum=float(pick(opt.momentum, 0.95)), nesterov=pick(opt.nesterov, True),
+                  adamw_betas=tuple(float(b) for b in pick(opt.adamw_betas, (0.95, 0.95))),
+                  adamw_eps=float(pick(opt.adamw_eps, 1e-8)))
+    if not pynative:
+        return Muon, kwargs
+    check_pynative_keys(opt)
+    return PynativeMuon, dict(kwargs, ns_coefficients=opt.ns_coefficients, ns_steps=opt.ns_steps,
+                              eps=float(pick(opt.eps, 1e-7)))
 
 
 def optimizer_groups(model: nn.Module, cfg, cls, kwargs) -> list[dict]:
@@ -79,9 +91,14 @@ def optimizer_groups(model: nn.Module, cfg, cls, kwargs) -> list[dict]:
     if family(cfg.optimizer.type).decay_all:
         for group in groups:
             group["weight_decay"] = kwargs["weight_decay"]
-    if getattr(cls, "__name__", "") == "Muon":
-        from .muon import muon_groups
+    from .muon import Muon, muon_groups
 
+    if isinstance(cls, type) and issubclass(cls, Muon):
+        if _pynative(cfg):
+            from .muon_pynative import pynative_muon_groups, warn_qk_clip
+
+            warn_qk_clip(model, cfg.optimizer)
+            return pynative_muon_groups(model, groups, cfg.optimizer.adamw_include)
         groups = muon_groups(model, groups)
     return groups
 

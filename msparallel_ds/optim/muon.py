@@ -110,12 +110,23 @@ class Muon(torch.optim.Optimizer):
         u = g + group["momentum"] * m if group["nesterov"] else m
         if shard is not None:  # the whole matrix on every tp rank, Newton-Schulz on it, this rank's slice back
             u = shard.gather(u, self.tp_group)
-        x = zeropower_via_newtonschulz5(u, self.ns_dtype).float()
-        scale = math.sqrt(max(u.shape[-2:])) * group["matched_adamw_rms"]  # the whole matrix's shape
+        x, alpha = self._orthogonalise(u, p, group)
         if shard is not None:
             x = shard.local(x, dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group))
-        lr = group["lr"]
-        p.mul_(1 - lr * group["weight_decay"]).add_(x.to(p.dtype), alpha=-lr * scale)
+        p.mul_(1 - group["lr"] * group["weight_decay"]).add_(x.to(p.dtype), alpha=alpha)
+
+    def _orthogonalise(self, u, p, group):
+        """(X, alpha) for the whole (gathered) Nesterov input u: the step is alpha * X."""
+        x = zeropower_via_newtonschulz5(u, self.ns_dtype).float()
+        scale = math.sqrt(max(u.shape[-2:])) * group["matched_adamw_rms"]  # the whole matrix's shape
+        return x, -group["lr"] * scale
+
+    def rebuild_kwargs(self) -> dict:
+        """The constructor's keyword arguments (zero_for_muon rebuilds this optimizer over its shard)."""
+        d = self.defaults
+        return dict(lr=d["lr"], weight_decay=d["weight_decay"], matched_adamw_rms=d["matched_adamw_rms"],
+                    momentum=d["momentum"], nesterov=d["nesterov"], adamw_betas=d["betas"], adamw_eps=d["eps"],
+                    ns_dtype=self.ns_dtype)
 
     def _adamw(self, p, group):
         state = self.state[p]
@@ -160,10 +171,11 @@ def _adamw_only(model: nn.Module) -> set[int]:
     return ids
 
 
-def muon_groups(model: nn.Module, groups: Iterable[dict]) -> list[dict]:
+def muon_groups(model: nn.Module, groups: Iterable[dict], adamw: set[int] | None = None) -> list[dict]:
     """MindFormers' decay / schedule groups, each split into its Muon part (2-D and 3-D hidden matrices) and its
-    AdamW part (the rest), gpt_model.py get_muon_filter's rule."""
-    adamw = _adamw_only(model)
+    AdamW part (the rest), gpt_model.py get_muon_filter's rule; `adamw`: ids of matrices kept on AdamW (default:
+    the embeddings and the output head)."""
+    adamw = _adamw_only(model) if adamw is None else adamw
     out = []
     for g in groups:
         parts: dict[bool, list] = {True: [], False: []}
@@ -176,8 +188,10 @@ def muon_groups(model: nn.Module, groups: Iterable[dict]) -> list[dict]:
     return out
 
 
-def check_muon_layout(cfg) -> None:
-    """Refuse, before any weights exist, the layouts where a Muon matrix would not be whole at step time."""
+def check_muon_layout(cfg, pynative: bool = False) -> None:
+    """Refuse, before any weights exist, the layouts where a Muon matrix would not be whole at step time;
+    `pynative`: the YAML runs MindFormers 2.1's pynative Muon (muon_pynative), which reads the keys 2.1's core
+    Muon ignores (warned here otherwise) and whose QK-clip muon_pynative.warn_qk_clip judges with the model."""
     opt, poc = cfg.optimizer, cfg.parallel.parallel_optimizer_config
     if opt.swap:  # offload (with or without enable_parallel_optimizer) is DeepSpeed ZeRO
         raise ValueError(
@@ -197,6 +211,8 @@ def check_muon_layout(cfg) -> None:
             f"{pc.pipeline_stage} is not supported: the pipeline engine does not give Muon the tp group it needs to "
             "gather each split matrix before Newton-Schulz; set pipeline_stage: 1 (Muon runs under tensor parallel "
             "there) or model_parallel: 1")
+    if pynative:
+        return
     for key, why in _IGNORED.items():
         if getattr(opt, key, None) is not None:
             warnings.warn(f"optimizer.{key}={getattr(opt, key)!r} is not read by MindFormers 2.1's Muon ({why}); it "
@@ -255,16 +271,13 @@ def zero_for_muon(opt: torch.optim.Optimizer, layout, ds_config: dict) -> torch.
         return opt
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    d = opt.defaults
-    kwargs = dict(lr=d["lr"], weight_decay=d["weight_decay"], matched_adamw_rms=d["matched_adamw_rms"],
-                  momentum=d["momentum"], nesterov=d["nesterov"], adamw_betas=d["betas"], adamw_eps=d["eps"],
-                  ns_dtype=opt.ns_dtype)
+    cls, kwargs = type(opt), opt.rebuild_kwargs()  # Muon or PynativeMuon
 
     def sharded(groups: list[dict], dim: str) -> torch.optim.Optimizer:
         groups = [g for g in groups if g["params"]]
         if layout.size(dim) == 1:
-            return Muon(groups, tp_group=tp_group, **kwargs)
-        zero_opt = ZeroRedundancyOptimizer(groups, optimizer_class=Muon, process_group=layout.group(dim), **kwargs)
+            return cls(groups, tp_group=tp_group, **kwargs)
+        zero_opt = ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=layout.group(dim), **kwargs)
         zero_opt.optim.tp_group = tp_group  # the local Muon (a kwarg would land in every param group)
         if tp_group is not None:
             _check_tp_peers(zero_opt.optim, layout)
