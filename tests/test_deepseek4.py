@@ -7,7 +7,7 @@ expert-bias update of the top-k routers (the hash router has none), gradient acc
 pp2 x dp2 x ep2 (1F1B over 4 micro-batches), where all hyper-connection streams and the input ids cross the stages.
 The four wheel deepseek4 configs, scaled to the tiny model (scaled_v4), train with their own Muon (whole-matrix ZeRO:
 dense over dp, experts over edp) like one process. What the family does not run (tp, cp, MTP, multi-copy,
-MindFormers weight names) is refused with the key to change."""
+MindFormers checkpoints with MTP layers) is refused with the key to change."""
 import contextlib
 import warnings
 from pathlib import Path
@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 pytest.importorskip("transformers.models.deepseek_v4", reason="HF DeepseekV4ForCausalLM needs transformers >= 5.24")
-from deepseek4_cases import v4_model, v4_reference
+from deepseek4_cases import v4_config, v4_model, v4_reference
 from engine_cases import SEQ, VOCAB, global_batch
 from harness import run_distributed
 from moe_cases import adamw as _adamw
@@ -215,7 +215,7 @@ class _Layout:
 
 
 def test_unsupported_combinations_name_their_key(capsys):
-    """tp, cp, MTP, multi-copy and MindFormers weight names: one clear error each, naming the YAML key; the wheel
+    """tp, cp, MTP, multi-copy and MindFormers MTP weight names: one clear error each, naming the YAML key; the wheel
     configs as written plan at their own world size and refuse 64 ranks naming training.global_batch_size (MindFormers
     2.1: 8 or 16 samples cannot split over data_parallel 64; test_pynative_config.py plans them with a larger one)."""
     from msparallel_ds.cli import main
@@ -233,7 +233,8 @@ def test_unsupported_combinations_name_their_key(capsys):
              (lambda: adapter.check_options(_Layout(), Options(mtp_depth=1)), "model.num_nextn_predict_layers"),
              (lambda: adapter.check_options(_Layout(), Options(interleave=Interleave(copies=2))),
               "micro_batch_interleave_num"),
-             (lambda: adapter.mindformers_weights(model.config, legacy=False), "models/deepseek4/utils.py")]
+             (lambda: adapter.mindformers_weights(v4_config(num_nextn_predict_layers=1), legacy=False),
+              "model.num_nextn_predict_layers")]
     for call, key in cases:
         with pytest.raises(ValueError) as ei:
             call()
