@@ -28,7 +28,8 @@ MODEL = dict(model_type="deepseek_v4", architectures="DeepseekV4ForCausalLM", vo
              moe_router_score_function="sqrtsoftplus", moe_grouped_gemm=True, enable_hyper_connections=True,
              num_residual_streams=2, index_n_heads=2, index_head_dim=8, index_topk=4,
              experimental_attention_variant="dsv4_hybrid", compress_ratios=[0, 4, 128, 0], csa_window_size=8,
-             compress_rope_theta=160000)
+             compress_rope_theta=160000, position_embedding_type="yarn", rotary_scaling_factor=16, beta_fast=32,
+             beta_slow=1, mscale=1, mscale_all_dim=1, rope_theta=10000.0)  # the wheel configs' RoPE keys
 
 
 def _yaml(tmp_path, **model):
@@ -75,6 +76,10 @@ def test_import_export_reimport_match_the_mindformers_cell(tmp_path, reference):
     assert model.config.layer_types == ["sliding_attention", "compressed_sparse_attention",
                                         "heavily_compressed_attention", "sliding_attention"]
     assert model.config.mlp_layer_types == ["hash_moe", "moe", "moe", "moe"] and model.config.hc_mult == 2
+    rope = load_file(str(FIX / "rope.safetensors"))  # the cell's own tables: sliding RoPE, compressed-layer YaRN
+    for kind in ("main", "compress"):
+        torch.testing.assert_close(getattr(model.model.rotary_emb, f"{kind}_inv_freq"), rope[kind], rtol=1e-6, atol=0)
+        assert getattr(model.model.rotary_emb, f"{kind}_attention_scaling") == 1.0
     ids = torch.randint(0, 64, (2, 136), generator=torch.Generator().manual_seed(0))  # > 128: an HCA entry exists
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref_model(ids).logits)
@@ -138,7 +143,7 @@ def test_mtp_is_mapped_to_layer_n_and_refused_until_the_family_runs_it(tmp_path)
 
 def test_wheel_deepseek4_yaml_gives_its_model(tmp_path):
     """The wheel's pretrain_deepseek4_flash.yaml (MTP set to 0): its per-layer compress_ratios, hash layers, window,
-    streams and head size reach the HF config the import builds."""
+    streams, head size and RoPE reach the HF config the import builds."""
     from msparallel_ds.checkpoint.mindformers_model import model_from_yaml
 
     doc = yaml.safe_load(WHEEL.read_text())
@@ -154,3 +159,8 @@ def test_wheel_deepseek4_yaml_gives_its_model(tmp_path):
         m["v_head_dim"], m["qk_rope_head_dim"], m["csa_window_size"], m["num_residual_streams"],
         m["mhc_sinkhorn_iterations"])
     assert cfg.swiglu_limit == m["activation_func_clamp_value"] and cfg.n_routed_experts == m["n_routed_experts"]
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    rotary, rope = DeepseekV4RotaryEmbedding(cfg), load_file(str(FIX / "rope.safetensors"))
+    for kind in ("main", "compress"):  # MindFormers' own tables for this YAML (_build_rotary_pos_emb)
+        torch.testing.assert_close(getattr(rotary, f"{kind}_inv_freq"), rope[f"flash_{kind}"], rtol=1e-5, atol=0)

@@ -39,7 +39,7 @@ checkpoint's mtp.* tensors under a YAML without it are refused as names the map 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -66,6 +66,7 @@ def hf_config_keys(mc: Mapping) -> dict:
     kw.update({k: mc[k] for k in _FOLDED if mc.get(k) is not None})
     if mc.get("head_dim") is None and mc.get("v_head_dim"):  # one shared kv head of v_head_dim = qk_nope + rope
         kw["head_dim"] = mc["v_head_dim"]
+    kw["rope_parameters"] = _rope(mc, kw.get("head_dim") or mc.get("head_dim"))
     ratios = kw.get("compress_ratios")
     if ratios is not None:
         n = mc.get("num_hidden_layers")
@@ -75,6 +76,25 @@ def hf_config_keys(mc: Mapping) -> dict:
                              "sparse attention) or 128 (heavily compressed) per layer, num_hidden_layers "
                              f"({n}) of them plus one per MTP layer; write it so")
     return kw
+
+
+def _rope(mc: Mapping, head_dim) -> Optional[dict]:
+    """V4's two RoPE tables as MindFormers 2.1 builds them (deepseek_v4_hybrid_attention.py _build_rotary_pos_emb):
+    sliding layers plain RoPE at rope_theta; compressed layers (ratio > 1) always YaRN at compress_rope_theta with
+    rotary_scaling_factor, original_max_position_embeddings, beta_fast / beta_slow (TransformerConfig defaults 40,
+    4096, 32, 1 when the YAML leaves them out) and no magnitude scaling (the attention passes mscale 1.0)."""
+    rope = mc.get("qk_rope_head_dim")
+    if not rope or not head_dim:
+        return None
+    partial = rope / head_dim
+    theta = mc.get("rope_theta", mc.get("rotary_base", 10000.0))
+    compress = {"rope_type": "yarn", "rope_theta": float(mc.get("compress_rope_theta", 160000)),
+                "factor": float(mc.get("rotary_scaling_factor", 40.0)),
+                "original_max_position_embeddings": int(mc.get("original_max_position_embeddings", 4096)),
+                "beta_fast": float(mc.get("beta_fast", 32.0)), "beta_slow": float(mc.get("beta_slow", 1.0)),
+                "attention_factor": 1.0, "partial_rotary_factor": partial}
+    return {"main": {"rope_type": "default", "rope_theta": float(theta), "partial_rotary_factor": partial},
+            "compress": compress}
 
 
 @dataclass(frozen=True)
