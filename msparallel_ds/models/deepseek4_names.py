@@ -52,9 +52,10 @@ _MF, _HF = "decoder.layers.{L}.", "model.layers.{L}."
 _NO_GAMMA = "HF DeepseekV4ForCausalLM's hyper-connection RMSNorm has no weight (MindFormers freezes this one at 1)"
 
 # MindFormers 2.1 pynative YAML keys -> HF DeepseekV4Config fields (config_converter_deepseek_v4.py CONFIG_MAPPING)
+# (not mhc_layernorm_epsilon: MindFormers' hyper-connection RMSNorm eps, where HF uses rms_norm_eps there)
 _ALIASES = {"csa_window_size": "sliding_window", "num_residual_streams": "hc_mult",
-            "mhc_sinkhorn_iterations": "hc_sinkhorn_iters", "mhc_layernorm_epsilon": "hc_eps",
-            "activation_func_clamp_value": "swiglu_limit", "csa_compress_rotary_base": "compress_rope_theta"}
+            "mhc_sinkhorn_iterations": "hc_sinkhorn_iters", "activation_func_clamp_value": "swiglu_limit",
+            "csa_compress_rotary_base": "compress_rope_theta", "moe_router_score_function": "scoring_func"}
 # keys HF's DeepseekV4Config folds in itself (its legacy kwargs: per-layer compress_ratios 0 / 4 / 128 ->
 # layer_types, num_hash_layers -> mlp_layer_types, qk_rope_head_dim -> partial_rotary_factor)
 _FOLDED = ("compress_ratios", "num_hash_layers", "qk_rope_head_dim")
