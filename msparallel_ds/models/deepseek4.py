@@ -46,7 +46,7 @@ class DeepseekV4Family(MoEFamily):
     router_score = "sqrtsoftplus"
     # MindFormers 2.1 pynative aux loss: f from the top-k of the normalised scores, per sequence (module docstring)
     aux_rule = {"choice": "scores", "per_sequence": True}
-    mindformers_names = {}  # LoRA target names: none mapped (the weight map is mindformers_weights)
+    mindformers_names = {}  # LoRA cell names: none mapped (the weight map: mindformers_weights)
 
     def moe_layers(self, config: Any) -> list[int]:
         return list(range(config.num_hidden_layers)) if self.num_experts(config) else []
