@@ -52,6 +52,13 @@ def _mcore_config(mc: Mapping, raw: Mapping, path) -> tuple[str, dict]:
     aliases = getattr(default, "attribute_map", {})  # e.g. Qwen3-MoE's num_experts -> num_local_experts
     kw.update({k: _like(defaults.get(aliases.get(k, k)), v) for k, v in mc.items()
                if (k in defaults or k in aliases) and k not in ("model_type", "transformers_version")})
+    if str(model_type) == "deepseek_v4":  # the 2.1 pynative YAML's own keys (compress_ratios, csa_window_size, ...)
+        from ..models.deepseek4_names import hf_config_keys
+
+        try:
+            kw.update(hf_config_keys(mc))
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
     if mc.get("hidden_act") == "swiglu":  # MindFormers' gated SiLU MLP is HF's silu act with gate/up projections
         kw["hidden_act"] = "silu"
     if "untie_embeddings_and_output_weights" in mc and "tie_word_embeddings" not in mc:

@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["Concat", "ConcatSized", "Experts", "Joined", "FusedGateUp", "FusedQKV", "MappingError", "Rename", "State",
-           "WeightOp", "at", "to_hf", "to_mf"]
+__all__ = ["Concat", "ConcatSized", "Experts", "Frozen", "Joined", "FusedGateUp", "FusedQKV", "MappingError", "Rename",
+           "State", "WeightOp", "WithConstants", "at", "to_hf", "to_mf"]
 
 
 class MappingError(ValueError):
@@ -50,6 +50,33 @@ def State(mf: str) -> WeightOp:  # noqa: N802
     """A MindFormers training-state tensor with no HF counterpart (e.g. a router's token counters): import takes it
     and drops it; export does not write it (MindFormers starts it at zero)."""
     return WeightOp((mf,), ())
+
+
+@dataclass(frozen=True)
+class Frozen(WeightOp):
+    """A MindFormers tensor held at a constant (e.g. a norm's gamma frozen at 1) with no HF counterpart: import
+    checks it equals `value` (None: any, e.g. a constant the forward never reads; `why` says why another value
+    cannot be imported) and drops it; export writes it through a WithConstants op."""
+
+    value: Optional[float] = 1.0
+    why: str = ""
+
+    def to_hf(self, ts, cfg):
+        if self.value is not None and not bool(torch.all(ts[0] == self.value)):
+            raise ValueError(f"holds values other than {self.value}: {self.why}")
+        return []
+
+
+@dataclass(frozen=True)
+class WithConstants(WeightOp):
+    """Export only (import skips it; plain ops take its names there, so checkpoints without the constants import
+    too): the HF tensor written as mf[0] plus MindFormers tensors with no HF counterpart at their start values,
+    `consts(tensor, cfg)` (e.g. a router's token counters at zero, a frozen gamma at one)."""
+
+    consts: Optional[Callable[[Tensor, Any], list]] = None
+
+    def to_mf(self, ts, cfg):
+        return [ts[0], *self.consts(ts[0], cfg)]
 
 
 def at(op: WeightOp, mf_prefix: str, hf_prefix: str) -> WeightOp:
@@ -190,6 +217,8 @@ def _groups(ops, names, side: str, fused: Optional[bool]):
     found, partial = [], []
     for op in ops:
         if fused is not None and op.fused is not None and op.fused != fused:
+            continue
+        if side == "mf" and isinstance(op, WithConstants):
             continue
         pats = getattr(op, side)
         hits: dict[Optional[str], dict[int, str]] = {}

@@ -22,8 +22,9 @@ choice, so hash layers get it too): `aux_rule` below asks moe.aux_loss for exact
 Pipeline stages (DeepseekV4Stage) carry the whole residual, all hc streams, across the boundary, and the input ids to
 every stage. Refused, each with the key to change: a tensor-parallel size not dividing the heads and o_groups,
 context parallel (the compressors pool whole windows of the sequence and the indexer picks among all of them: a sequence
-shard would change which entries exist) and MindFormers weight names (no map written). Multi-token prediction
-(num_nextn_predict_layers) runs MindFormers 2.1's V4 MTP block: models/deepseek4_mtp.py.
+shard would change which entries exist), and MTP or the indexer loss with tensor parallel. Multi-token prediction
+(num_nextn_predict_layers) runs MindFormers 2.1's V4 MTP block: models/deepseek4_mtp.py. MindFormers 2.1 weight
+names (import-mindspore / export-mindspore): models/deepseek4_names.py.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ class DeepseekV4Family(MoEFamily):
     router_score = "sqrtsoftplus"
     # MindFormers 2.1 pynative aux loss: f from the top-k of the normalised scores, per sequence (module docstring)
     aux_rule = {"choice": "scores", "per_sequence": True}
-    mindformers_names = {}  # no MindFormers weight map yet (mindformers_weights refuses)
+    mindformers_names = {}  # LoRA cell names: none mapped (the weight map: mindformers_weights)
 
     def moe_layers(self, config: Any) -> list[int]:
         """Every layer, the MTP layers (models.deepseek4_mtp: after the decoder's) included."""
@@ -118,8 +119,15 @@ class DeepseekV4Family(MoEFamily):
 
     def mindformers_weights(self, config: Any, *, legacy: bool, qkv_interleaved: bool = True,
                             fc1_interleaved: bool = True) -> list:
-        raise ValueError("DeepSeek-V4: MindFormers 2.1's weight names (models/deepseek4/utils.py) are not mapped yet; "
-                         "convert through the HF checkpoint (save_pretrained) instead")
+        """MindFormers 2.1 pynative names (models/deepseek4_names.py); the layouts are fixed (no interleave keys)."""
+        from .deepseek4_names import mindformers_v4_ops
+
+        depth = getattr(config, "num_nextn_predict_layers", 0) or 0
+        if depth and not self.mindformers_mtp:
+            raise _refused("model.num_nextn_predict_layers", depth, "its checkpoint holds mtp.layers.* tensors, which "
+                           "HF DeepseekV4ForCausalLM has no place for and msparallel_ds does not train for V4 yet "
+                           "(import would have to drop them)", "import / export a model saved with 0 MTP layers")
+        return mindformers_v4_ops(config, depth)
 
 
 class DeepseekV4Stage(StageModule):
