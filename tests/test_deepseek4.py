@@ -7,8 +7,7 @@ expert-bias update of the top-k routers (the hash router has none), gradient acc
 pp2 x dp2 x ep2 (1F1B over 4 micro-batches), where all hyper-connection streams and the input ids cross the stages.
 The four wheel deepseek4 configs, scaled to the tiny model (scaled_v4), train with their own Muon (whole-matrix ZeRO:
 dense over dp, experts over edp) like one process. What the family does not run (a tp that does not divide the
-heads, cp, legacy MTP, MTP with tp, multi-copy, MindFormers checkpoints with MTP layers) is refused with the key to
-change."""
+heads, cp, legacy MTP, MTP with tp, multi-copy) is refused with the key to change."""
 import contextlib
 import json
 import warnings
@@ -18,7 +17,7 @@ import pytest
 import yaml
 
 pytest.importorskip("transformers.models.deepseek_v4", reason="HF DeepseekV4ForCausalLM needs transformers >= 5.24")
-from deepseek4_cases import v4_config, v4_model, v4_reference
+from deepseek4_cases import v4_model, v4_reference
 from engine_cases import SEQ, VOCAB, global_batch
 from harness import run_distributed
 from moe_cases import adamw as _adamw
@@ -219,7 +218,7 @@ class _Layout:
 
 
 def test_unsupported_combinations_name_their_key(capsys):
-    """tp not dividing the heads, cp, legacy MTP, MTP with tp, multi-copy and MindFormers MTP weight names: one clear
+    """tp not dividing the heads, cp, legacy MTP, MTP with tp and multi-copy: one clear
     error each, naming the YAML key; the wheel configs as written plan at their own world size and at 64 ranks, where
     `plan` notes that a run refuses their global batch (MindFormers 2.1: 8 or 16 samples cannot split over
     data_parallel 64; test_pynative_config.py checks that msp.make_plan without report=True refuses it) and plans the
@@ -239,9 +238,7 @@ def test_unsupported_combinations_name_their_key(capsys):
              (lambda: adapter.check_options(_Layout(), Options(mtp_depth=1, mtp_legacy=True)), "use_legacy"),
              (lambda: adapter.check_options(_Layout(tp=2), Options(mtp_depth=1)), "model.num_nextn_predict_layers"),
              (lambda: adapter.check_options(_Layout(), Options(interleave=Interleave(copies=2))),
-              "micro_batch_interleave_num"),
-             (lambda: adapter.mindformers_weights(v4_config(num_nextn_predict_layers=1), legacy=False),
-              "model.num_nextn_predict_layers")]
+              "micro_batch_interleave_num")]
     for call, key in cases:
         with pytest.raises(ValueError) as ei:
             call()

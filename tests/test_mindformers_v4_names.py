@@ -113,10 +113,11 @@ def test_mindformers_converter_layout_and_frozen_tensors(tmp_path, reference):
         mindformers_to_hf(str(tmp_path / "gamma.safetensors"), config)
 
 
-def test_mtp_is_mapped_to_layer_n_and_refused_until_the_family_runs_it(tmp_path):
-    """The MTP map (HF layer N + k, models/mtp.py names + hc_head) against the cell's mtp.layers.0 tensors; the family
-    does not map MTP yet, so an MTP YAML is refused naming its key and an MTP checkpoint under a YAML without MTP
-    is refused naming the mtp tensors (never dropped)."""
+def test_mtp_is_mapped_to_layer_n(tmp_path):
+    """The MTP map (HF layer N + k: models/deepseek4_mtp.py's layer, models/mtp.py names + hc_head) against the cell's
+    mtp.layers.0 tensors, both ways; an MTP YAML imports the cell's MTP checkpoint into exactly the parameters the
+    family's MTP layer holds (mindformers_to_hf checks names and shapes against that model); an MTP checkpoint under
+    a YAML without MTP is refused naming the mtp tensors (never dropped)."""
     from msparallel_ds.checkpoint.mindformers_model import model_from_yaml
     from msparallel_ds.models.deepseek4_names import mindformers_v4_ops
 
@@ -133,8 +134,11 @@ def test_mtp_is_mapped_to_layer_n_and_refused_until_the_family_runs_it(tmp_path)
     assert not any(n.startswith("model.layers.4.self_attn.compressor") for n in hf)  # MTP attention: sliding only
     _assert_same(to_mf(ops, hf, cfg, fused=True), cell)
 
-    with pytest.raises(ValueError, match=r"model\.num_nextn_predict_layers=1 .*DeepSeek-V4.*mtp\.layers"):
-        model_from_yaml(_yaml(tmp_path, num_nextn_predict_layers=1, compress_ratios=[0, 4, 128, 0, 0]))
+    mtp_yaml = _yaml(tmp_path, num_nextn_predict_layers=1, compress_ratios=[0, 4, 128, 0, 0])
+    _, imported, _, _ = mindformers_to_hf(str(FIX / "deepseek4_mtp.safetensors"), mtp_yaml)
+    assert sorted(imported) == sorted(hf)
+    for name, t in hf.items():
+        assert torch.equal(imported[name], t), name
     with pytest.raises(MappingError, match=r"unknown name mtp\.layers\.0\.eh_proj\.weight"):
         mindformers_to_hf(str(FIX / "deepseek4_mtp.safetensors"), _yaml(tmp_path))
     with pytest.raises(ValueError, match=r"model\.compress_ratios=\[0, 4, 8, 0\].*0 \(sliding\)"):

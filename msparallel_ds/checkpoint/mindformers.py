@@ -57,7 +57,7 @@ def _add_mtp(hf_model, model: MindFormersModel) -> None:
 
     depth = _mtp_depth(model)
     if depth:
-        add_mtp_layers(hf_model, depth)
+        add_mtp_layers(hf_model, depth, getattr(model.adapter, "make_mtp_layer", None))  # a family's own
 
 
 def _weights(hf_model) -> dict[str, Tensor]:

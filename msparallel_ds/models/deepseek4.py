@@ -51,6 +51,7 @@ class DeepseekV4Family(MoEFamily):
     # MindFormers 2.1 pynative aux loss: f from the top-k of the normalised scores, per sequence (module docstring)
     aux_rule = {"choice": "scores", "per_sequence": True}
     mindformers_names = {}  # LoRA cell names: none mapped (the weight map: mindformers_weights)
+    mindformers_mtp = True  # mtp.layers.k <-> HF layer N + k (models/deepseek4_names.py, models/deepseek4_mtp.py)
 
     def moe_layers(self, config: Any) -> list[int]:
         """Every layer, the MTP layers (models.deepseek4_mtp: after the decoder's) included."""
@@ -122,12 +123,7 @@ class DeepseekV4Family(MoEFamily):
         """MindFormers 2.1 pynative names (models/deepseek4_names.py); the layouts are fixed (no interleave keys)."""
         from .deepseek4_names import mindformers_v4_ops
 
-        depth = getattr(config, "num_nextn_predict_layers", 0) or 0
-        if depth and not self.mindformers_mtp:
-            raise _refused("model.num_nextn_predict_layers", depth, "its checkpoint holds mtp.layers.* tensors, which "
-                           "HF DeepseekV4ForCausalLM has no place for and msparallel_ds does not train for V4 yet "
-                           "(import would have to drop them)", "import / export a model saved with 0 MTP layers")
-        return mindformers_v4_ops(config, depth)
+        return mindformers_v4_ops(config, getattr(config, "num_nextn_predict_layers", 0) or 0)
 
 
 class DeepseekV4Stage(StageModule):

@@ -33,8 +33,8 @@ takes checkpoints with or without them. Routed experts are also taken in the con
 
 MTP (mtp.layers.{k}.: enorm, hnorm, eh_proj = [e_proj | h_proj] columns, final_layernorm, hc_head, transformer_layer
 without a compressor) maps to the HF layer N + k that models/mtp.py holds (shared_head.norm = final_layernorm,
-hc_head kept) once the family maps MTP (`mindformers_mtp`); until then a YAML with MTP is refused, and a
-checkpoint's mtp.* tensors under a YAML without it are refused as names the map does not know (nothing is dropped).
+hc_head kept; models/deepseek4_mtp.py builds that layer); a checkpoint's mtp.* tensors under a YAML without MTP
+are refused as names the map does not know (nothing is dropped).
 """
 from __future__ import annotations
 

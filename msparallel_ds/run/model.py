@@ -58,8 +58,9 @@ def build_model(raw: Mapping, run_yaml: str, seed: int) -> torch.nn.Module:
         weights = _weights(src, raw, run_yaml)
         n, depth = model.config.num_hidden_layers, _mtp_depth(raw)
         if depth:  # the checkpoint's MTP layers (models/mtp.py: layers N.. under HF names) are the run's
+            from ..models import adapter_for
             from ..models.mtp import add_mtp_layers
-            add_mtp_layers(model, depth)
+            add_mtp_layers(model, depth, getattr(adapter_for(model), "make_mtp_layer", None))
         else:  # a MindFormers checkpoint holds them whether or not this run trains them
             weights = {k: v for k, v in weights.items() if not _past(k, n)}
         model.load_state_dict(weights, strict=True)
@@ -89,7 +90,7 @@ def _load_mtp_layers(model, hf_dir: str, raw: Mapping) -> None:
     adapter = adapter_for(model)
     if not getattr(adapter, "mindformers_mtp", False):
         return
-    add_mtp_layers(model, depth)
+    add_mtp_layers(model, depth, getattr(adapter, "make_mtp_layer", None))
     missing = read_mtp_layers(hf_dir, model, adapter)
     if missing and len(missing) < sum(1 for n in model.state_dict() if _past(n, model.config.num_hidden_layers)):
         raise _err("load_checkpoint", hf_dir, f"holds part of the MTP layers (lacks {', '.join(missing[:4])})",
