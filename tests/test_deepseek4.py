@@ -202,7 +202,7 @@ def test_scaled_deepseek4_configs_train_like_one_process():
         for k, want in ref_state.items():
             err = float((r["state"][k].double() - want.double()).abs().max()) / max(float(want.abs().max()), 1.0)
             WORST[name] = max(WORST.get(name, 0.0), err)
-            assert err <= 2e-5, (name, k, err)  # measured 9.9e-6 (flash), 6.7e-6 (pro): Adam on near-zero grads
+            assert err <= 2e-5, (name, k, err)  # measured 1.1e-5 (flash), 5.0e-6 (pro), pynative Muon: Adam on near-zero grads
         print(name, "loss error", max(_rel(g, w) for g, w in zip(r["losses"], ref_losses)),
               "aux error", max(_rel(g, w) for g, w in zip(r["aux"], ref_aux)), "worst weight error", WORST[name])
 
