@@ -112,8 +112,13 @@ def _crc_of(path: str, offset: int, length: int) -> int:
 
 
 def _nonfinite(sd: dict) -> list[str]:
-    return [k for k, t in sd.items() if t.is_floating_point() and not bool(torch.isfinite(
-        t.to_local() if hasattr(t, "to_local") else t).all())]
+    """Keys of tensors holding NaN or inf: one min/max pass each (both propagate NaN), no mask allocated."""
+    out = []
+    for k, t in sd.items():
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()):
+            out.append(k)
+    return out
 
 
 def save_sharded(engine, save_dir: str, records: Iterable, *, optimizer_step: float, model,

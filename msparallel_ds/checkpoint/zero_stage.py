@@ -27,7 +27,7 @@ __all__ = ["Rebuild", "snapshot"]
 
 def _clones(layout, sets: set, group) -> dict:
     """{global ranks: gloo group} for every rank set any rank partitions over; new ones made by every rank of the
-    checkpoint group in the same (sorted) order, kept on the layout."""
+    checkpoint group in the same (sorted) order, kept on the layout (a later engine on it reuses them)."""
     cache = layout.__dict__.setdefault("_msp_ckpt_dp_clones", {})
     every: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, sorted(sets), group=group)
@@ -93,4 +93,7 @@ def snapshot(engine, params, keys, group) -> Rebuild:
                     {k: v.detach().to("cpu", torch.float32, copy=True).reshape(-1) for k, v in parts.items()})
         items.append({"index": index, "name": name, "shard": shard, "mine": mine, "ranks": ranks, "frag": frag,
                       "shape": tuple(p.shape), "keys": ("fp32",) + tuple(keys)})
-    return Rebuild(items, _clones(engine.layout, sets, group), group)
+    ds_opt = engine.ds.optimizer  # its parameters' groups are fixed for its life: the clones are made once
+    if getattr(ds_opt, "_msp_ckpt_clones", None) is None:
+        ds_opt._msp_ckpt_clones = _clones(engine.layout, sets, group)
+    return Rebuild(items, ds_opt._msp_ckpt_clones, group)
