@@ -1,7 +1,8 @@
 """engine.save / engine.load for engine.Engine (DeepSpeed ZeRO 0-2) in checkpoint.format's layout-independent file.
 
 ZeRO partitions are gathered over dp x cp with DeepSpeed's own accessors (deepspeed.utils.safe_get_full_fp32_param /
-safe_get_full_optimizer_state) and tp parts over tp by engine.spec; loading cuts this rank's part with the same spec
+safe_get_full_optimizer_state; the sharded save stages them locally and rebuilds them in its writer thread,
+checkpoint.zero_stage) and tp parts over tp by engine.spec; loading cuts this rank's part with the same spec
 and hands it to DeepSpeed's setters, which re-partition it for the new ZeRO group. `engine` is anything with ds,
 layout, model, spec, lr_scheduler and global_steps (the HF Trainer passes such a view).
 """
