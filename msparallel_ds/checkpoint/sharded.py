@@ -158,6 +158,7 @@ def save_sharded(engine, save_dir: str, records: Iterable, *, optimizer_step: fl
                 _mesh(layout, name)  # made here: the writer thread only reads them
         bad: list = [None] * world
         dist.all_gather_object(bad, _nonfinite(staged)[:3], group=group)
+        del staged  # a sync save's rebuild frees the snapshot as it goes: no reference may outlive this check
         bad = [b for part in bad for b in part]
         if bad:
             raise CheckpointSaveError(
