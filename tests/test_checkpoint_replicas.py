@@ -86,7 +86,38 @@ def _run(rank, world, root):
     info = engine.load(asy)
     out["resumed"] = (_steps(engine, 2, 4), info["global_steps"])
     out["restored"] = sorted(os.listdir(_data(asy)))
+    out["pp"] = _pipeline_save(rank, os.path.join(root, "pp"))
     return out
+
+
+def _pp_config():
+    raw = tiny_config(dp=2, bs=1)  # the YAML's AdamW: build_optimizer's weight-decay and no-decay groups
+    raw["parallel_config"].update(pipeline_stage=2, micro_batch_num=2)
+    raw["parallel"]["pipeline_config"] = {"pipeline_interleave": False, "pipeline_scheduler": "1f1b"}
+    raw["model"]["model_config"]["ffn_hidden_size"] = 128  # tiny_model's intermediate_size
+    return raw
+
+
+def _pipeline_save(rank, folder):
+    """pp2 x dp2 ZeRO-1 with two param groups: one step, a sharded save (its per-rank bytes vs the plan's); and
+    torch's ZeroRedundancyOptimizer's owners for groups where the group order changes them, vs save_plan._owners."""
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    import msparallel_ds as msp
+    from msparallel_ds.checkpoint.save_plan import _owners
+
+    engine = msp.initialize(tiny_model(), msp.load_config(_pp_config()))
+    groups = len(engine.optimizer.param_groups)
+    _steps(engine, 0, 1)
+    engine.save(folder)
+    sizes = [[3], [5, 1, 2, 2]]  # as one group, 5 would go to rank 0 and 3 to rank 1; in two, 3 to 0 and 5 to 1
+    params = [[torch.nn.Parameter(torch.zeros(n)) for n in g] for g in sizes]
+    z = ZeroRedundancyOptimizer([{"params": g} for g in params], optimizer_class=torch.optim.SGD, lr=0.1,
+                                process_group=engine.layout.group("dp_cp"))
+    real = [z._param_to_rank[p] for g in params for p in g]
+    flat = [n for g in sizes for n in g]
+    return groups, real, _owners(flat, 2, [[0], [1, 2, 3, 4]]), _owners(flat, 2, [[0, 1, 2, 3, 4]])
 
 
 def _written_per_rank(folder):
@@ -104,12 +135,13 @@ def _written_per_rank(folder):
     return [out[r] for r in sorted(out)]
 
 
-def _plan_report():
+def _plan_report(raw=None):
     import msparallel_ds as msp
     from msparallel_ds.checkpoint.save_plan import format_save_report, save_report
 
-    raw = tiny_config(dp=2, tp=2, sp=True, vocab_dp=False, bs=2)
-    raw["model"]["model_config"]["ffn_hidden_size"] = 128  # tiny_model's intermediate_size
+    if raw is None:
+        raw = tiny_config(dp=2, tp=2, sp=True, vocab_dp=False, bs=2)
+        raw["model"]["model_config"]["ffn_hidden_size"] = 128  # tiny_model's intermediate_size
     plan = msp.make_plan(msp.load_config(raw), world_size=4)
     report = save_report(plan)
     return report, format_save_report(plan, report)
@@ -128,6 +160,11 @@ def test_lost_node_resumes_from_data_parallel_peers(tmp_path):
         assert steps == 2 and losses == full[2:], (losses, full)  # the uninterrupted run, bit for bit
         assert "no data-parallel peer kept a copy" in r["both_lost"] and "Nothing was loaded" in r["both_lost"], r
         assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "progress.pt"} <= set(r["restored"]), r["restored"]
+    # pp2 x dp2, ZeRO-1 (torch ZeroRedundancyOptimizer) over two param groups: the plan's owner rule is torch's
+    groups, real, planned, one_group = res[0]["pp"]
+    assert groups == 2 and real == planned and planned != one_group, (groups, real, planned, one_group)
+    pp_report = _plan_report(_pp_config())[0]
+    assert [r["weights"] + r["optimizer"] for r in pp_report["ranks"]] == _written_per_rank(str(tmp_path / "pp"))
 
 
 def test_replicas_option_is_checked():

@@ -64,6 +64,17 @@ def _save_runs(rank, world, root):
     wait_pending()
     out["bytes"] = _own_bytes(os.path.join(root, "sync"), rank)
     import torch
+
+    from msparallel_ds.checkpoint.sharded import CheckpointSaveError
+
+    if rank == 3:  # a NaN only in one rank's ZeRO partition of the fp32 weights (the module weights are finite)
+        with torch.no_grad():
+            engine.ds.optimizer.single_partition_of_fp32_groups[0][0] = float("nan")
+    try:
+        engine.save(os.path.join(root, "async"), async_save=True)  # refused before returning; the async one stays
+        out["nan_save"] = "saved"
+    except CheckpointSaveError as e:
+        out["nan_save"] = str(e)
     from safetensors.torch import load_file
 
     from msparallel_ds.checkpoint.monitor import CheckpointSaver
@@ -143,6 +154,18 @@ def _one_process(rank, world, root):
     return resumed, msg, untouched, crashed, kept, sorted(os.listdir(ckpt))
 
 
+def test_nonfinite_finds_nan_and_inf():
+    import torch
+
+    from msparallel_ds.checkpoint.sharded import _nonfinite
+
+    big = torch.zeros(1 << 16)
+    cases = {"nan": big.clone().index_fill_(0, torch.tensor([40000]), float("nan")), "fine": big,
+             "-inf": torch.tensor([1.0, -float("inf")]), "inf": torch.tensor([float("inf")]), "empty": torch.zeros(0),
+             "int": torch.arange(3)}
+    assert _nonfinite(cases) == ["nan", "-inf", "inf"]
+
+
 def test_sharded_resume_equals_uninterrupted_under_any_layout(tmp_path):
     import shutil
 
@@ -153,6 +176,7 @@ def test_sharded_resume_equals_uninterrupted_under_any_layout(tmp_path):
     assert all(r["run"] == ["step-00000004"] and r["hf_equal"] for r in saved), saved  # keep_max=1, merged = live
     total = sum(r["bytes"] for r in saved)
     assert all(0 < r["bytes"] < 0.5 * total for r in saved), [r["bytes"] for r in saved]  # each rank its share
+    assert all("refusing to write non-finite" in r["nan_save"] and "/fp32" in r["nan_save"] for r in saved), saved
     sync, asy, pp = (os.path.join(root, n) for n in ("sync", "async", "pp"))
     runs = [("tp2xcp2", "tp2xcp2", sync), ("dp2xtp2_zero2 from async", "dp2xtp2_zero2", asy),
             ("tp4_sp", "tp4_sp", sync), ("pp2xdp2", "pp2xdp2", sync), ("dp2xtp2 from pp", "dp2xtp2", pp)]

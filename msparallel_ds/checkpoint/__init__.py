@@ -4,6 +4,7 @@
 - optim_state: the optimizer state it carries (Adam moments, Muon's momentum) and where ZeRO-1 keeps it
 - reshard:     gather tp shards (and pp stages) into full tensors, cut full tensors for a tp rank
 - zero:        save / load for engine.Engine (DeepSpeed ZeRO 0-2)
+- zero_stage:  a sharded save's ZeRO 1/2 staging: a local snapshot, rebuilt per parameter in the writer thread
 - pipeline:    save / load for the pipeline engine
 - hf:          plain HF safetensors checkpoints out of / into a tp-parallel model (save_pretrained, from_pretrained)
 - convert:     convert-checkpoint, pre-slicing a checkpoint for another layout in one process
@@ -12,9 +13,9 @@
 - merged:      a merged weights-only HF safetensors folder out of a sharded checkpoint, in bounded files
 - monitor:     CheckpointSaver, MindFormers' CheckpointMonitor semantics for the train runner
 
-Modules depend one way (folder <- format, optim_state <- reshard, sharded <- zero, pipeline, hf; format <- convert;
-sharded <- merged <- monitor). Names are
-re-exported lazily so `import msparallel_ds.checkpoint` stays light (no torch.distributed, DeepSpeed or HF).
+Modules depend one way (folder <- format, optim_state <- reshard, sharded, zero_stage <- zero, pipeline, hf;
+format <- convert; sharded <- merged <- monitor). Names are re-exported lazily so `import msparallel_ds.checkpoint`
+stays light (no torch.distributed, DeepSpeed or HF).
 """
 from __future__ import annotations
 

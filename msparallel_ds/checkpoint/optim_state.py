@@ -8,6 +8,8 @@ edp) a parameter's state lives on one rank of its part's group (`owners`).
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 __all__ = ["ensure_adam_state", "ensure_state", "optimizer_keys", "owners", "parts", "state_view"]
@@ -16,11 +18,12 @@ __all__ = ["ensure_adam_state", "ensure_state", "optimizer_keys", "owners", "par
 def parts(opt) -> list:
     """[(torch optimizer holding this rank's states, its ZeroRedundancyOptimizer or None, ZeRO group name)]: one part,
     or SplitZero's two (dense over dp x cp, experts over edp; duck-typed, no import of pipeline)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
+    # not imported here: torch.distributed.optim scripts its functional optimizers on import (~1.6 s on a loaded
+    # CPU, which an async save would expose); without the module no ZeroRedundancyOptimizer exists
+    zro = getattr(sys.modules.get("torch.distributed.optim"), "ZeroRedundancyOptimizer", None)
     out = []
     for i, part in enumerate(getattr(opt, "parts", None) or [opt]):
-        z = part if isinstance(part, ZeroRedundancyOptimizer) else None
+        z = part if zro is not None and isinstance(part, zro) else None
         out.append((z.optim if z is not None else part, z, "edp" if i == 1 else "dp_cp"))
     return out
 

@@ -8,9 +8,10 @@ FULL logical tensor, described to DCP chunk by chunk. A tensor split over tp (or
 on that group's mesh with Shard(spec.dim), so DCP records each tp rank's chunk with its offset; a replicated one is
 a plain tensor. Each chunk is written by ONE of its replicas (`writes`: parameter i's chunk by dp x cp rank
 i mod dp*cp; with ZeRO-1 in the pipeline engine by the rank owning its optimizer state), so data-parallel replicas
-are written once and no rank holds more than its share. ZeRO-1/2 (DeepSpeed) moments are flat partitions: every dp
-rank rebuilds one parameter's tp-local moment at a time (DeepSpeed's safe_get_full_optimizer_state, a dp
-all-reduce of that parameter only) and only its writer keeps it, so they reload under any dp size or ZeRO level.
+are written once and no rank holds more than its share. ZeRO-1/2 (DeepSpeed) weights and moments are flat partitions:
+the save copies this rank's fragments (checkpoint.zero_stage) and the writer thread rebuilds one parameter's
+tp-local tensors at a time onto its writer over a gloo clone of the dp group, so they reload under any dp size or
+ZeRO level and an async save returns after local copies.
 Loading asks DCP for this rank's chunk under the new layout (a DTensor on the new tp mesh), in buckets of
 LOAD_BUCKET_BYTES, after every check (names, shapes, the saved model config, every chunk's crc32) passed on every
 rank. The progress (steps, lr scheduler) is DATA/progress.pt; the manifest (folder.MANIFEST, written last, with one
@@ -58,13 +59,18 @@ def _dcp_tensor(t: torch.Tensor, shard, layout):
     """`t` (this rank's chunk) as DCP sees it: a DTensor on the shard group's mesh when split."""
     if not shard.is_split or layout.size(shard.group) == 1:
         return t
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
+    return DTensor.from_local(t, _mesh(layout, shard.group), [Shard(shard.dim)], run_check=False)
+
+
+def _mesh(layout, name: str):
+    from torch.distributed.device_mesh import DeviceMesh
+
     meshes = layout.__dict__.setdefault("_msp_ckpt_meshes", {})
-    if shard.group not in meshes:
-        meshes[shard.group] = DeviceMesh.from_group(layout.group(shard.group), "cpu", mesh_dim_names=(shard.group,))
-    return DTensor.from_local(t, meshes[shard.group], [Shard(shard.dim)], run_check=False)
+    if name not in meshes:
+        meshes[name] = DeviceMesh.from_group(layout.group(name), "cpu", mesh_dim_names=(name,))
+    return meshes[name]
 
 
 def wait_pending() -> None:
@@ -106,16 +112,23 @@ def _crc_of(path: str, offset: int, length: int) -> int:
 
 
 def _nonfinite(sd: dict) -> list[str]:
-    return [k for k, t in sd.items() if t.is_floating_point() and not bool(torch.isfinite(
-        t.to_local() if hasattr(t, "to_local") else t).all())]
+    """Keys of tensors holding NaN or inf: one min/max pass each (both propagate NaN), no mask allocated."""
+    out = []
+    for k, t in sd.items():
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()):
+            out.append(k)
+    return out
 
 
 def save_sharded(engine, save_dir: str, records: Iterable, *, optimizer_step: float, model,
-                 async_save: bool = False, replicas: int = 0) -> None:
+                 async_save: bool = False, replicas: int = 0, rebuild=None) -> None:
     """Every rank calls. `records` yields (HF name, Shard, {key: this rank's chunk}) for the chunks this rank writes
-    (collectives inside run in the same order on every rank). Returns when written, or with `async_save` once the
-    chunks are staged on CPU (the writing, checksums and manifest go on in a thread). `replicas=1`: each rank's
-    files are also written by a data-parallel peer (checkpoint.replicas)."""
+    (collectives inside run in the same order on every rank). `rebuild` (checkpoint.zero_stage.Rebuild): more such
+    records, made in the writer from a snapshot already taken (`rebuild.staged`), with collectives on its own gloo
+    groups. Returns when written, or with `async_save` once the chunks are staged on CPU (the rebuild, writing,
+    checksums and manifest go on in a thread). `replicas=1`: each rank's files are also written by a
+    data-parallel peer (checkpoint.replicas)."""
     from .replicas import check_replicas
 
     replicas = check_replicas(replicas, engine.layout)
@@ -139,8 +152,13 @@ def save_sharded(engine, save_dir: str, records: Iterable, *, optimizer_step: fl
         for name, shard, rec in records:
             for k, t in rec.items():
                 sd[f"{name}/{k}"] = _dcp_tensor(t.detach().to("cpu", copy=True), shard, layout)
+        staged = {**sd, **(rebuild.staged if rebuild else {})}
+        for name in rebuild.groups if rebuild else ():
+            if layout.size(name) > 1:
+                _mesh(layout, name)  # made here: the writer thread only reads them
         bad: list = [None] * world
-        dist.all_gather_object(bad, _nonfinite(sd)[:3], group=group)
+        dist.all_gather_object(bad, _nonfinite(staged)[:3], group=group)
+        del staged  # a sync save's rebuild frees the snapshot as it goes: no reference may outlive this check
         bad = [b for part in bad for b in part]
         if bad:
             raise CheckpointSaveError(
@@ -165,6 +183,9 @@ def save_sharded(engine, save_dir: str, records: Iterable, *, optimizer_step: fl
         try:
             from torch.distributed.checkpoint import FileSystemWriter, save
 
+            for name, shard, rec in rebuild() if rebuild else ():
+                for k, t in rec.items():
+                    sd[f"{name}/{k}"] = _dcp_tensor(t, shard, layout)
             save(sd, storage_writer=FileSystemWriter(data), process_group=group)
             sd.clear()  # the staged chunks are on disk
             crcs = _chunk_crcs(data, rank)

@@ -1,7 +1,8 @@
 """engine.save / engine.load for engine.Engine (DeepSpeed ZeRO 0-2) in checkpoint.format's layout-independent file.
 
 ZeRO partitions are gathered over dp x cp with DeepSpeed's own accessors (deepspeed.utils.safe_get_full_fp32_param /
-safe_get_full_optimizer_state) and tp parts over tp by engine.spec; loading cuts this rank's part with the same spec
+safe_get_full_optimizer_state; the sharded save stages them locally and rebuilds them in its writer thread,
+checkpoint.zero_stage) and tp parts over tp by engine.spec; loading cuts this rank's part with the same spec
 and hands it to DeepSpeed's setters, which re-partition it for the new ZeRO group. `engine` is anything with ds,
 layout, model, spec, lr_scheduler and global_steps (the HF Trainer passes such a view).
 """
@@ -59,21 +60,25 @@ def _set_frozen(p, value: Tensor, stage: int) -> None:
         p.copy_(value.to(p.dtype))
 
 
-def _sharded_records(engine, stage, opt, keys):
-    """(name, Shard, {key: tp-local tensor}) of the chunks this rank writes (checkpoint.sharded.writes); at ZeRO 1/2
-    every dp rank rebuilds each parameter's tensors in turn (a dp all-reduce of that parameter) and only the
-    writer keeps them; under Muon's whole-parameter ZeRO (stage 0) the owner of a parameter's state writes it."""
+def _sharded_records(engine, stage, opt, keys, group):
+    """(records, rebuild): (name, Shard, {key: tp-local tensor}) of the chunks this rank writes that need no
+    collective (checkpoint.sharded.writes; under Muon's whole-parameter ZeRO (stage 0) the owner of a parameter's
+    state writes it), and at ZeRO 1/2 the trainable parameters' records as a checkpoint.zero_stage.Rebuild: a
+    local snapshot of this rank's flat-partition fragments now, rebuilt over a gloo clone of the dp group in the
+    save's writer thread, so an async save returns after the local copy."""
     from .sharded import writes
+    from .zero_stage import snapshot
 
     owner_of = owners(_inner_optimizer(engine)) if stage == 0 else {}
+    records, deferred = [], []
     for i, (name, p) in enumerate(engine.model.named_parameters()):
         owner = owner_of.get(p, (None, None))[1]
         shard, mine = engine.spec.get(name), writes(engine.layout, engine.spec.get(name), i, owner)
-        # ZeRO 1/2 (trainable) and ZeRO-3 rebuild the record collectively: every dp rank joins, the writer keeps it
-        if mine or stage == 3 or (stage > 0 and p.requires_grad):
-            rec = _param_record(p, stage, opt, keys)
-            if mine:
-                yield name, shard, rec
+        if stage > 0 and p.requires_grad:
+            deferred.append((i, name, p, shard, mine))
+        elif mine:
+            records.append((name, shard, _param_record(p, stage, opt, keys)))
+    return records, (snapshot(engine, deferred, keys if opt.state else (), group) if deferred else None)
 
 
 def _param_record(p, stage: int, opt, keys) -> dict[str, Tensor]:
@@ -134,14 +139,15 @@ def save_checkpoint(engine, save_dir: str, *, sharded: bool = True, async_save: 
     save_dir/FILE."""
     stage, layout, spec = _check_stage(engine), engine.layout, engine.spec
     if sharded or async_save or replicas:
-        from .sharded import save_sharded
+        from .sharded import _group, save_sharded, wait_pending
 
+        wait_pending()  # the snapshot's collectives run on the checkpoint group a save in flight may still use
         opt, keys = _optimizer(engine, stage)
         if stage > 0 and opt.state:
             _link_optimizer_state(engine)
-        save_sharded(engine, save_dir, _sharded_records(engine, stage, opt, keys),
-                     optimizer_step=_optimizer_step(engine, stage, opt), model=engine.model, async_save=async_save,
-                     replicas=replicas)
+        records, rebuild = _sharded_records(engine, stage, opt, keys, _group(layout))
+        save_sharded(engine, save_dir, records, rebuild=rebuild, optimizer_step=_optimizer_step(engine, stage, opt),
+                     model=engine.model, async_save=async_save, replicas=replicas)
         return
     opt, keys = _optimizer(engine, stage)
     owner_of = owners(_inner_optimizer(engine)) if stage == 0 else {}
