@@ -49,12 +49,27 @@ class SplitZero(torch.optim.Optimizer):
         self.state_dict()
 
 
+def _split(params: list) -> tuple[list, list]:
+    """(dense, experts) from parameters or param-group dicts (the YAML's optimizer: MindFormers' weight-decay groups);
+    a group's options go with each of its halves."""
+    if not params or not isinstance(params[0], dict):
+        expert = [getattr(p, "expert_parallel", False) for p in params]
+        return [p for p, e in zip(params, expert) if not e], [p for p, e in zip(params, expert) if e]
+    dense, experts = [], []
+    for group in params:
+        options = {k: v for k, v in group.items() if k != "params"}
+        for out, want in ((dense, False), (experts, True)):
+            ps = [p for p in group["params"] if getattr(p, "expert_parallel", False) == want]
+            if ps:
+                out.append({**options, "params": ps})
+    return dense, experts
+
+
 def split_zero(params: list, cls, defaults: dict, layout) -> torch.optim.Optimizer:
     """ZeRO-1 over dp x cp for the dense parameters and over edp for the experts (module docstring)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    experts = [p for p in params if getattr(p, "expert_parallel", False)]
-    dense = [p for p in params if not getattr(p, "expert_parallel", False)]
+    dense, experts = _split(params)
 
     def zero(ps, name):
         if layout.size(name) == 1:
