@@ -1,7 +1,8 @@
 """`msparallel-ds train` on a real MindFormers pretrain YAML (llama2 70b, scaled down by
 configs/run/tiny_llama2_override.yaml, data: a MindRecord MindSpore wrote): 4 processes (dp2 x tp2 + SP, ZeRO-1,
 vocab parallel) vs 1 process on the same global batches, loss falling, checkpoints at the configured steps with
-keep_checkpoint_max, and stop-after + resume_training equal to the straight run."""
+keep_checkpoint_max, and stop-after + resume_training equal to the straight run (that one with async_save and
+integrated_save)."""
 import json
 import os
 from argparse import Namespace
@@ -20,9 +21,9 @@ DATA = ROOT / "tests" / "fixtures" / "mindrecord" / "text"
 pytestmark = pytest.mark.skipif(not YAML.is_file(), reason=f"{YAML} not found (shared MindFormers configs)")
 
 
-def _args(out, *sets, nproc=None, stop_after=None):
+def _args(out, *sets, nproc=None, stop_after=None, overrides=()):
     return Namespace(file=str(YAML), nproc=nproc, output_dir=str(out), stop_after=stop_after, tensorboard=None,
-                     override=[str(OVERRIDE)], set=[f"train_dataset.data_loader.dataset_dir={DATA}",
+                     override=[str(OVERRIDE), *map(str, overrides)], set=[f"train_dataset.data_loader.dataset_dir={DATA}",
                                                     "runner_config.epochs=1", *sets], timeout=300)
 
 
@@ -59,9 +60,16 @@ def test_train_4_processes_equals_1_process_and_resumes(tmp_path):
     assert abs(from_hf["losses"][1] - from_ck["losses"][1]) < 1e-5
     assert from_hf["losses"][1] < straight["losses"][1] - 1.0  # trained weights, not a fresh init
 
-    first = run_isolated(run, _args(tmp_path / "b", nproc=4, stop_after=5))
+    # MindFormers' async_save and integrated_save: step_4 is written in the background and completed at the end
+    # (stop-after), each step folder also holds a merged HF folder; the resume is the same
+    background = tmp_path / "async.yaml"
+    background.write_text("callbacks:\n  - type: MFLossMonitor\n  - type: CheckpointMonitor\n"
+                          "    save_checkpoint_steps: 2\n    keep_checkpoint_max: 2\n    async_save: true\n"
+                          "    integrated_save: true\n    checkpoint_format: safetensors\n")
+    first = run_isolated(run, _args(tmp_path / "b", nproc=4, stop_after=5, overrides=[background]))
     assert first["step"] == 5 and sorted(os.listdir(tmp_path / "b" / "checkpoint")) == ["step_2", "step_4"]
-    resumed = run_isolated(run, _args(tmp_path / "b", "resume_training=true", nproc=4))
+    assert all((tmp_path / "b" / "checkpoint" / s / "hf" / "config.json").is_file() for s in ("step_2", "step_4"))
+    resumed = run_isolated(run, _args(tmp_path / "b", "resume_training=true", nproc=4, overrides=[background]))
     assert sorted(resumed["losses"]) == list(range(5, steps + 1))  # from the newest complete checkpoint, step 4
     assert max(abs(resumed["losses"][s] - straight["losses"][s]) for s in resumed["losses"]) < 1e-6
     assert [m["step"] for m in _metrics(tmp_path / "b")] == list(range(1, steps + 1))  # step 5 logged once

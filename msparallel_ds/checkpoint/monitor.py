@@ -70,6 +70,10 @@ class CheckpointSaver:
                              "written by a data-parallel peer); set e.g. replicas: 1")
         self.replicas = replicas
         self.saved: list[str] = []
+        if self.async_save:  # the checkpoint's gloo group now (collective, every rank builds its saver), as torchtitan
+            from .sharded import _group  # makes its async group at start: the first background save then only stages
+
+            _group(engine.layout)
 
     def folder(self, step: int) -> str:
         return os.path.join(self.root, f"step-{step:08d}")

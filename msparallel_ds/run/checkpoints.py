@@ -2,7 +2,13 @@
 its own chunks through torch.distributed.checkpoint: MindFormers' default integrated_save: False), the trainer's own
 state beside it (step, data position, each rank's RNG), keep_checkpoint_max honoured. A checkpoint is complete once
 its folder is renamed from step_<k>.partial (after every rank's part is written); the oldest complete one is removed
-only then. Only engine.save / engine.load are used, so the saver behind them can change."""
+only then. Only engine.save / engine.load are used, so the saver behind them can change.
+
+MindFormers' other CheckpointMonitor keys, as checkpoint/monitor.py reads them: async_save (engine.save returns once
+the state is staged; the folder becomes complete, and older ones are pruned, when its files are written: at the next
+save or the end of training, so a crash meanwhile leaves the previous complete checkpoint), integrated_save (also a
+merged weights-only HF folder step_<k>/hf in bounded files, checkpoint.merged) and checkpoint_format (ckpt /
+safetensors: the sharded state is DCP's files either way)."""
 from __future__ import annotations
 
 import json
@@ -58,17 +64,30 @@ def _set_rng(state: dict) -> None:
 
 
 class CheckpointMonitor:
-    def __init__(self, output_dir: str, every: Optional[int], keep: Optional[int], rank: int, replicas: int = 0):
+    def __init__(self, output_dir: str, every: Optional[int], keep: Optional[int], rank: int, replicas: int = 0,
+                 async_save: bool = False, integrated_save: bool = False, fmt: str = "ckpt"):
+        from ..checkpoint.monitor import FORMATS
+
+        key = "callbacks CheckpointMonitor"
         if isinstance(replicas, bool) or replicas not in (0, 1):
-            raise ValueError(f"callbacks CheckpointMonitor.replicas={replicas!r} must be 0 or 1 (1: each rank's "
+            raise ValueError(f"{key}.replicas={replicas!r} must be 0 or 1 (1: each rank's "
                              "checkpoint files also written by a data-parallel peer); set e.g. replicas: 1")
+        for name, value in (("async_save", async_save), ("integrated_save", integrated_save)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{key}.{name}={value!r} must be true or false")
+        if fmt not in FORMATS:
+            raise ValueError(f"{key}.checkpoint_format={fmt!r} is not supported; use one of {', '.join(FORMATS)}")
         self.folder, self.replicas = os.path.join(output_dir, "checkpoint"), replicas
         self.every, self.keep, self.rank = every, keep if keep and keep > 0 else None, rank
+        self.async_save, self.integrated_save = async_save, integrated_save
+        self._pending: Optional[tuple] = None  # (tmp, final, state) of the save in flight
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
 
     def save(self, engine, step: int, state: dict) -> str:
+        """Save after `step`; with async_save returns once staged (the folder is complete after finish())."""
+        self.finish(engine)  # at most one save in flight
         final = os.path.join(self.folder, f"step_{step}")
         tmp = final + ".partial"
         if self.rank == 0:
@@ -76,16 +95,35 @@ class CheckpointMonitor:
             for stale in (tmp, final):  # a crash mid-save, or a rerun of the same step
                 shutil.rmtree(stale, ignore_errors=True)
         dist.barrier()
-        engine.save(tmp, sharded=True, replicas=self.replicas)
+        engine.save(tmp, sharded=True, async_save=self.async_save, replicas=self.replicas)
         torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{self.rank}.pt"))
+        self._pending = (tmp, final, state)
+        if not self.async_save:
+            self.finish(engine)
+        return final
+
+    def finish(self, engine) -> None:
+        """Complete the save in flight: wait for its files (a failure is raised here), write the merged HF folder
+        with integrated_save, then mark it complete and prune; every rank calls it (the runner at the end)."""
+        if self._pending is None:
+            return
+        from ..checkpoint.sharded import _group, wait_pending
+
+        tmp, final, state = self._pending
+        self._pending = None
+        wait_pending()
         dist.barrier()
+        if self.integrated_save:
+            from ..checkpoint.merged import export_merged
+
+            export_merged(tmp, os.path.join(tmp, "hf"), group=_group(engine.layout))
+            dist.barrier()
         if self.rank == 0:
             with open(os.path.join(tmp, STATE), "w") as f:
                 json.dump(state, f)
             os.replace(tmp, final)
             self._prune()
         dist.barrier()
-        return final
 
     def _prune(self) -> None:
         if self.keep is None:

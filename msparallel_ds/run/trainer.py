@@ -50,7 +50,9 @@ class Trainer:
         torch.manual_seed(spec.seed + self.rank)                      # dropout etc.: per rank, restored on resume
         ck = spec.callback("CheckpointMonitor") or {}                 # callbacks
         self.checkpoints = CheckpointMonitor(spec.output_dir, ck.get("save_checkpoint_steps"),
-                                             ck.get("keep_checkpoint_max"), self.rank, ck.get("replicas", 0))
+                                             ck.get("keep_checkpoint_max"), self.rank, ck.get("replicas", 0),
+                                             ck.get("async_save", False), ck.get("integrated_save", False),
+                                             ck.get("checkpoint_format", "ckpt"))
         lm = spec.callback("MFLossMonitor") or {}
         self.monitor = LossMonitor(spec.output_dir, lm.get("per_print_times", 1), self.total_steps, self.rank,
                                    self.world, n_params[0], spec.tensorboard, echo)
@@ -76,6 +78,7 @@ class Trainer:
                              time.perf_counter() - t0, self.engine.last_aux_loss, self.engine.last_mtp_loss)
             if self.checkpoints.due(self.step):
                 self.checkpoints.save(self.engine, self.step, {"step": self.step, "total_steps": self.total_steps})
+        self.checkpoints.finish(self.engine)                          # an async save still in flight
         if self.step == self.total_steps:                             # the end of the schedule: a HF folder
             hf = os.path.join(self.spec.output_dir, "hf")
             if self.rank == 0:
