@@ -4,7 +4,8 @@ One DeviceMesh with dims ("pp", "dp", "cp_ring", "cp_ulysses", "tp"), outermost 
     rank = (((pp_i*dp + d)*cp_ring + r)*cp_ulysses + u)*tp + t          (DESIGN.md, MindFormers/Megatron order)
 plus flattened dims: "cp" = cp_ring x cp_ulysses, "dp_cp" = dp x cp (ZeRO partitions and gradients reduce over
 it: cp ranks hold the same weights), "pp_tp" = pp x tp (the Megatron "model parallel" group: DeepSpeed sums
-gradient norms over it). Every name has a group on every rank, size-1 ones included (DeepSpeed calls them).
+gradient norms over it). Every name has a group on every rank, size-1 ones included (DeepSpeed calls them); on
+gloo, names with the same rank sets share one (_shared_groups).
 
 Expert parallel (MindFormers mcore, Megatron-Core): the dp x cp x tp ranks of one pipeline stage (a block of
 consecutive ranks) fold into "edp" x "ep", ep innermost, so an EP group is `ep` consecutive ranks and the
@@ -94,12 +95,12 @@ def _rank_sets(shape: tuple[int, ...], dims: tuple[int, ...]) -> tuple[tuple[int
 
 def _shared_groups(shape: tuple[int, ...], expert_shape: tuple[int, int, int], timeout: timedelta,
                    device_type: str) -> dict[str, dist.ProcessGroup]:
-    """gloo: one process group per distinct set of groups. Every gloo group runs its own TCP loop thread, which
-    wakes every 10 ms even when idle (about 100 wake-ups a second per group and process, measured), so the 12
-    groups DeviceMesh made at dp4 (size-1 dims included) cost 4 processes sharing 2 cores about 4600 wake-ups a
-    second (benchmarks/README.md, issue 44). Names with the same rank sets (dp, dp_cp and edp at dp-only; every
-    size-1 dim) share one group, and the world's is the default group when the timeouts agree (what DeviceMesh
-    does without backend options). Every rank builds them in the same order, as new_group requires."""
+    """gloo: one process group per distinct set of rank groups. Every gloo group runs its own TCP loop thread,
+    which wakes every 10 ms even when idle, so the 12 groups DeviceMesh made at dp4 (size-1 dims included) cost
+    each rank about 1160 wake-ups a second against plain DeepSpeed's 195 (measured; benchmarks/README.md, issue
+    44). Names with the same rank sets (dp, dp_cp and edp at dp only; every size-1 dim) share one group, the
+    world's being the default group when the timeouts agree (what DeviceMesh does without backend options).
+    Every rank builds them in the same order, as new_group requires."""
     index = {d: i for i, d in enumerate(MESH_DIMS)}
     wanted = {name: _rank_sets(shape, (index[name],)) for name in MESH_DIMS}
     wanted.update({name: _rank_sets(shape, tuple(index[d] for d in dims)) for name, dims in _FLATTENED.items()})
