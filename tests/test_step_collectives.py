@@ -10,6 +10,13 @@ ZeRO-0 made 3 (plus the flag's all-reduce), dp2 x tp2 made 3 (a tp all-gather, t
 made 7 (plus a cp all-gather per attention call, 4 layers); this test failed there. The guards still catch what they
 caught (tests/test_hardening_inputs.py); here also a dp rank whose peers agree stops with the one whose peers do
 not, and NaN gradients on one rank under ZeRO-0 stop every rank before the update.
+
+Where there are no peers to check (dp only), both step-level collectives are async (issued before the forward and
+before the backward, waited after them), so the step never blocks on them. And the layout builds one process
+group per distinct rank set (dp, dp_cp and edp share the default group at dp4; all size-1 dims share one group):
+every gloo group runs a TCP loop thread that wakes 100 times a second, idle or not, which on 4 processes sharing
+2 cores cost more than the two collectives (benchmarks/README.md, issue 44 item 12). Before, DeviceMesh made one
+group per name, 12 at dp4 (2 distinct rank sets), and this test failed there.
 """
 import os
 import sys
@@ -44,6 +51,8 @@ def _counted(step) -> dict:
     def on_call(op, args, kwargs):
         owner = _owner()
         counts[owner] = counts.get(owner, 0) + 1
+        if owner in STEP_LEVEL and not kwargs.get("async_op", False):
+            counts["blocking"] = counts.get("blocking", 0) + 1
 
     with tapped_collectives(on_call):
         step()
@@ -54,6 +63,7 @@ def _run(rank, world_size):
     import torch
 
     import msparallel_ds as msp
+    from msparallel_ds.distributed.layout import GROUP_NAMES
 
     out = {}
     for name, yaml in (("dp4", dict(dp=4, zero=2, clip=0.0)), ("dp4_zero0", dict(dp=4, zero=0, clip=0.0)),
@@ -68,6 +78,10 @@ def _run(rank, world_size):
         counts = _counted(lambda: engine.train_batch(batch))
         out[name] = {k: v for k, v in counts.items() if k in STEP_LEVEL}
         out[name + "_all"] = counts
+        groups = {n: engine.layout.group(n) for n in GROUP_NAMES}
+        out[name + "_groups"] = (len({id(g) for g in groups.values()}),
+                                 len({engine.layout.ranks(n) for n in GROUP_NAMES}),
+                                 groups["dp_cp"] is torch.distributed.group.WORLD)
         if name == "dp2_tp2":  # only dp rank 1's tp peers disagree: every rank stops, none waits in a collective
             other = batch["input_ids"].clone()
             other[0, 3] = (other[0, 3] + 1) % 256
@@ -101,6 +115,11 @@ def test_step_level_collectives_per_step():
             # one collective with the token count (+ the batch agreement), one with the loss sum
             assert sum(r[name].values()) == 2, (rank, name, r[name], r[name + "_all"])
             assert "msparallel_ds/context_parallel/api.py" not in r[name], (rank, name, r[name])
+            groups, rank_sets, _ = r[name + "_groups"]
+            assert groups == rank_sets, (rank, name, r[name + "_groups"])  # one group per distinct rank set
+        for name in ("dp4", "dp4_zero0"):  # no peers to check: the count and the loss sum are both async
+            assert r[name + "_all"].get("blocking", 0) == 0, (rank, name, r[name + "_all"])
+            assert r[name + "_groups"] == (2, 2, True), (rank, name, r[name + "_groups"])  # the world's, size 1's
         msg = r["one_block"]
         assert msg and "train_batch: the peers of this dp rank were fed different batches" in msg, (rank, msg)
         if rank // 2 == 1:  # dp rank 1 (ranks 2, 3): its own tp group names the difference

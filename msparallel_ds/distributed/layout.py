@@ -4,7 +4,8 @@ One DeviceMesh with dims ("pp", "dp", "cp_ring", "cp_ulysses", "tp"), outermost 
     rank = (((pp_i*dp + d)*cp_ring + r)*cp_ulysses + u)*tp + t          (DESIGN.md, MindFormers/Megatron order)
 plus flattened dims: "cp" = cp_ring x cp_ulysses, "dp_cp" = dp x cp (ZeRO partitions and gradients reduce over
 it: cp ranks hold the same weights), "pp_tp" = pp x tp (the Megatron "model parallel" group: DeepSpeed sums
-gradient norms over it). Every name has a group on every rank, size-1 ones included (DeepSpeed calls them).
+gradient norms over it). Every name has a group on every rank, size-1 ones included (DeepSpeed calls them); on
+gloo, names with the same rank sets share one (_shared_groups).
 
 Expert parallel (MindFormers mcore, Megatron-Core): the dp x cp x tp ranks of one pipeline stage (a block of
 consecutive ranks) fold into "edp" x "ep", ep innermost, so an EP group is `ep` consecutive ranks and the
@@ -83,6 +84,39 @@ def _backend_options(timeout: timedelta):
     return opts
 
 
+def _rank_sets(shape: tuple[int, ...], dims: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The groups of mesh dims `dims` (varying those, the others fixed) over arange(world).view(shape), each in
+    row-major order over `dims`: the ranks and order DeviceMesh gives the dim (flattened: _flatten)."""
+    ranks = torch.arange(math.prod(shape)).view(shape)
+    rest = [d for d in range(len(shape)) if d not in dims]
+    rows = ranks.permute(*rest, *dims).reshape(-1, math.prod(shape[d] for d in dims))
+    return tuple(tuple(r) for r in rows.tolist())
+
+
+def _shared_groups(shape: tuple[int, ...], expert_shape: tuple[int, int, int], timeout: timedelta,
+                   device_type: str) -> dict[str, dist.ProcessGroup]:
+    """gloo: one process group per distinct set of rank groups. Every gloo group runs its own TCP loop thread,
+    which wakes every 10 ms even when idle, so the 12 groups DeviceMesh made at dp4 (size-1 dims included) cost
+    each rank about 1160 wake-ups a second against plain DeepSpeed's 195 (measured; benchmarks/README.md, issue
+    44). Names with the same rank sets (dp, dp_cp and edp at dp only; every size-1 dim) share one group, the
+    world's being the default group when the timeouts agree (what DeviceMesh does without backend options).
+    Every rank builds them in the same order, as new_group requires."""
+    index = {d: i for i, d in enumerate(MESH_DIMS)}
+    wanted = {name: _rank_sets(shape, (index[name],)) for name in MESH_DIMS}
+    wanted.update({name: _rank_sets(shape, tuple(index[d] for d in dims)) for name, dims in _FLATTENED.items()})
+    wanted.update({name: _rank_sets(expert_shape, (i,)) for i, name in enumerate(EP_DIMS) if i})
+    world = tuple(range(math.prod(shape)))
+    made: dict[tuple, dist.ProcessGroup] = {}
+    for sets in wanted.values():
+        if sets in made:
+            continue
+        if sets == (world,) and _default_timeout(device_type) == timeout:
+            made[sets] = dist.group.WORLD
+        else:
+            made[sets], _ = dist.new_subgroups_by_enumeration([list(r) for r in sets], timeout=timeout)
+    return {name: made[sets] for name, sets in wanted.items()}
+
+
 class ParallelLayout:
     """The DeviceMesh and every process group of one run, built from a Plan (see module docstring).
 
@@ -116,21 +150,26 @@ class ParallelLayout:
         self.global_rank = dist.get_rank()
         self._sizes = {**sizes, **{n: math.prod(sizes[d] for d in dims) for n, dims in _FLATTENED.items()}}
 
-        opts = (None, _backend_options(timeout))
-        self.mesh: DeviceMesh = init_device_mesh(
-            self.device_type, shape, mesh_dim_names=MESH_DIMS,
-            backend_override={name: opts for name in MESH_DIMS})
-        # Keep the flattened 1-D meshes ourselves: slicing them back out of the root mesh is deprecated.
-        self._meshes = {name: self.mesh[name] for name in MESH_DIMS}
-        for name, dims in _FLATTENED.items():
-            self._meshes[name] = self.mesh[dims]._flatten(name, backend_override=opts)
         ep = _expert_parallel(plan, sizes)
         stage = world // sizes["pp"]
-        expert_mesh = init_device_mesh(self.device_type, (sizes["pp"], stage // ep, ep), mesh_dim_names=EP_DIMS,
-                                       backend_override={name: opts for name in EP_DIMS})
-        self._meshes.update({name: expert_mesh[name] for name in EP_DIMS[1:]})
         self._sizes.update(ep=ep, edp=stage // ep)
-        self._groups = {name: m.get_group() for name, m in self._meshes.items()}
+        if str(dist.get_backend()) == "gloo":
+            self._groups = _shared_groups(shape, (sizes["pp"], stage // ep, ep), timeout, self.device_type)
+            self.mesh: DeviceMesh = DeviceMesh.from_group(
+                [self._groups[name] for name in MESH_DIMS], self.device_type,
+                mesh=torch.arange(world).view(shape), mesh_dim_names=MESH_DIMS)
+        else:
+            opts = (None, _backend_options(timeout))
+            self.mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=MESH_DIMS,
+                                         backend_override={name: opts for name in MESH_DIMS})
+            # Keep the flattened 1-D meshes ourselves: slicing them back out of the root mesh is deprecated.
+            meshes = {name: self.mesh[name] for name in MESH_DIMS}
+            for name, dims in _FLATTENED.items():
+                meshes[name] = self.mesh[dims]._flatten(name, backend_override=opts)
+            expert_mesh = init_device_mesh(self.device_type, (sizes["pp"], stage // ep, ep), mesh_dim_names=EP_DIMS,
+                                           backend_override={name: opts for name in EP_DIMS})
+            meshes.update({name: expert_mesh[name] for name in EP_DIMS[1:]})
+            self._groups = {name: m.get_group() for name, m in meshes.items()}
         self._ranks = {name: tuple(dist.get_process_group_ranks(g)) for name, g in self._groups.items()}
 
     def _check(self, name: str) -> str:
