@@ -55,6 +55,23 @@ class OneRank:
         return 1
 
 
+def state_error(state, ref, bound, name=""):
+    """The worst weight error of `state` against `ref` (same names and shapes): max |difference| over
+    max(max |w|, 1), floored at 1 for norm weights and the zero-initialised hyper-connection biases, which would make a
+    plain relative error meaningless; each tensor asserted <= bound, integer tensors equal."""
+    assert set(state) == set(ref), set(state) ^ set(ref)
+    worst = 0.0
+    for k, want in ref.items():
+        assert state[k].shape == want.shape, (name, k, state[k].shape, want.shape)
+        if want.is_floating_point():
+            err = float((state[k].double() - want.double()).abs().max()) / max(float(want.abs().max()), 1.0)
+            worst = max(worst, err)
+            assert err <= bound, (name, k, err)
+        else:
+            assert bool((state[k] == want).all()), (name, k)
+    return worst
+
+
 def v4_reference(steps, rows, clip=1.0, optimizer=None, bias_rate=None, aux=0.0, micro=None, indexer=0.0,
                  **overrides):
     """One process on the whole global batch (`micro` rows per forward, gradients summed as the global token mean:

@@ -59,6 +59,21 @@ def global_batch(step, rows, ignore_some=False):
     return ids, labels
 
 
+def train_steps(engine, steps, batch_of=global_batch, **track):
+    """`steps` engine steps, each dp rank on its share of batch_of(step, global rows): {"losses", "rows" (global),
+    "micro" (micro-batch size), and per keyword name the list of track[name](engine) after each step}."""
+    rows, lay = engine.micro_batch_size * engine.gradient_accumulation_steps, engine.layout
+    out = {"losses": [], **{name: [] for name in track}}
+    for step in range(steps):
+        ids, labels = batch_of(step, rows * lay.size("dp"))
+        share = slice(lay.rank("dp") * rows, (lay.rank("dp") + 1) * rows)
+        out["losses"].append(engine.train_batch({"input_ids": ids[share], "labels": labels[share]}).item())
+        for name, read in track.items():
+            out[name].append(read(engine))
+    out.update(rows=rows * lay.size("dp"), micro=engine.micro_batch_size)
+    return out
+
+
 def reference_run(steps, rows, *, clip=1.0, ignore_some=False):
     """Single process: HF loss (mean over the global batch's tokens), AdamW, clip_grad_norm_ (DeepSpeed's
     formula). Returns per-step losses, final state dict and how many steps clipping scaled the gradient."""

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("transformers.models.deepseek_v4", reason="HF DeepseekV4ForCausalLM needs transformers >= 5.24")
 from deepseek4_cases import OneRank, v4_model, v4_reference
-from engine_cases import global_batch
+from engine_cases import global_batch, train_steps
 from harness import run_distributed
 from moe_cases import adamw, ep_yaml
 
@@ -196,14 +196,7 @@ def _train(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = msp.initialize(v4_model(), msp.load_config(ep_yaml(**LAYOUTS[name])), optimizer=adamw)
-    rows, lay = engine.micro_batch_size * engine.gradient_accumulation_steps, engine.layout
-    losses, aux = [], []
-    for step in range(STEPS):
-        ids, labels = global_batch(step, rows * lay.size("dp"))
-        share = slice(lay.rank("dp") * rows, (lay.rank("dp") + 1) * rows)
-        losses.append(engine.train_batch({"input_ids": ids[share], "labels": labels[share]}).item())
-        aux.append(engine.last_aux_loss)
-    return {"losses": losses, "aux": aux, "rows": rows * lay.size("dp"), "micro": engine.micro_batch_size,
+    return {**train_steps(engine, STEPS, aux=lambda e: e.last_aux_loss),
             "state": engine.full_state_dict(rank0_only=True)}
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from deepseek_cases import deepseek_model, deepseek_reference
-from engine_cases import global_batch, tiny_config
+from engine_cases import global_batch, tiny_config, train_steps
 from family_cases import BETAS, EPS, LR, tiny_family
 from harness import run_distributed
 from moe_cases import adamw as ds_adamw
@@ -127,16 +127,7 @@ def _adamw(params):
 
 
 def _steps(engine, batch_of, n=STEPS):
-    lay = engine.layout
-    rows = engine.micro_batch_size * engine.gradient_accumulation_steps
-    losses, norms, mtp = [], [], []
-    for step in range(n):
-        ids, labels = batch_of(step, rows * lay.size("dp"))
-        share = slice(lay.rank("dp") * rows, (lay.rank("dp") + 1) * rows)
-        losses.append(engine.train_batch({"input_ids": ids[share], "labels": labels[share]}).item())
-        norms.append(engine.global_grad_norm)
-        mtp.append(engine.last_mtp_loss)
-    return {"losses": losses, "norms": norms, "mtp": mtp, "rows": rows * lay.size("dp")}
+    return train_steps(engine, n, batch_of, norms=lambda e: e.global_grad_norm, mtp=lambda e: e.last_mtp_loss)
 
 
 def _gpt2(name, save_dir):
