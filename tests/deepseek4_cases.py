@@ -4,6 +4,7 @@ lightning indexer, heavily compressed, sliding), 2 hyper-connection streams, 8 r
 first layer hash-routed. Compression rates 4 / 8 so both compressors produce entries at sequence 32. The routers get
 larger weights than HF's default (so choices vary), the top-k routers a non-zero expert bias (so it matters), and the
 hash router a tid2eid table of distinct experts per token (HF initialises it to zeros: every token on expert 0)."""
+from deepseek_cases import seed_routers
 from engine_cases import BETAS, EPS, LR, SEQ, VOCAB, global_batch
 
 EXPERTS, TOP_K, SCALE = 8, 2, 1.5
@@ -30,14 +31,10 @@ def v4_model(**overrides):
 
     torch.manual_seed(0)  # identical initial weights on every rank and in the reference
     model = DeepseekV4ForCausalLM(v4_config(**overrides))
+    seed_routers(model)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.linspace(-0.05, 0.05, b.numel()))
             if name.endswith("tid2eid"):
                 b.copy_(torch.stack([torch.randperm(EXPERTS, generator=g)[: b.shape[1]] for _ in range(b.shape[0])]))
     return model.float()

@@ -29,6 +29,15 @@ def deepseek_model(mtp=0, **overrides):
     model = DeepseekV3ForCausalLM(deepseek_config(**overrides))
     if mtp:
         add_mtp_layers(model, mtp)
+    seed_routers(model)
+    return model.float()
+
+
+def seed_routers(model):
+    """Router weights N(0, 0.5) from the global RNG (the top-k choice varies from token to token) and a fixed
+    e_score_correction_bias ramp (so the bias matters); DeepSeek-V3 and V4 test models alike."""
+    import torch
+
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
@@ -36,7 +45,6 @@ def deepseek_model(mtp=0, **overrides):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.linspace(-0.05, 0.05, b.numel()))
-    return model.float()
 
 
 def _count_choices(model):
