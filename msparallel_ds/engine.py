@@ -14,6 +14,9 @@ What train_batch does, and why:
 - cp > 1: each micro-batch is sharded with context_parallel.batch.shard_batch (labels shifted before the split,
   global position_ids, doc_ids for packed rows). tp ranks of one dp rank must be fed the same batch.
 - The returned loss is the global-batch mean on every rank (sum all-reduced over dp x cp; tp peers agree).
+- N costs no collective of its own where the batch agreement carries it (tp, cp, pp > 1) or, on dp-only ZeRO 1-3
+  steps, once a step has counted it: then it is summed with the loss, the backward scales by the last step's N, and
+  a step whose N differs is divided out by DeepSpeed before its update (token_count.py).
 - fp32/bf16: a non-finite global loss stops the run before the optimizer step, a non-finite global gradient norm at
   the step it appears (loss.check_finite_step, FloatingPointError naming the step); fp16 keeps
   DeepSpeed's dynamic loss scaling (an overflowing step is skipped and counted).
@@ -38,8 +41,9 @@ from .context_parallel.api import inputs_agreed
 from .context_parallel.batch import inputs_and_targets
 from .distributed.collectives import start_sum_over, sum_over
 from .distributed.layout import ParallelLayout
-from .loss import check_batch_and_count, check_finite_step, token_loss_sum
+from .loss import check_batch_and_count, check_finite_step, peer_dims, token_loss_sum
 from .strategy import Applied
+from .token_count import divided_by, divides_gradients
 
 __all__ = ["Engine", "initialize"]
 
@@ -67,6 +71,12 @@ class Engine:
         self._own_norm: Optional[float] = None
         self._own_clip = (plan.gradient_clipping if layout.size("ep") > 1 and ds_engine.zero_optimization_stage() == 0
                           and not ds_engine.gradient_clipping() else None)
+        # dp-only steps: after one counted step, the token count rides in the loss sum's all-reduce (token_count)
+        interleave = applied.interleave
+        self._defer_count = (divides_gradients(ds_engine) and applied.aux_loss is None and applied.mtp is None
+                             and layout.size("cp") == 1 and not (interleave is not None and interleave.copy_loss == "sum"))
+        self._count_ref: Optional[Tensor] = None  # the last counted step's global token count
+        self._step_count: Optional[Tensor] = None  # this step's, once the loss sum's all-reduce is done
 
     @property
     def model(self) -> nn.Module:
@@ -106,17 +116,21 @@ class Engine:
             return [labels, *(mtp.shifted_labels(labels) if mtp is not None else [])]
 
         # The step's global token count: inside the batch agreement's one all-gather when peers are checked (tp, cp
-        # or pp > 1), else an all-reduce over dp started now (hidden behind the first forward). Either way it is the
-        # step's first collective, and with the agreement checked the cp attention's per-call check is not needed.
+        # or pp > 1), else an all-reduce over dp started now (hidden behind the first forward), or, after a counted
+        # step, inside the loss sum's all-reduce (token_count). With the agreement checked the cp attention's
+        # per-call check is not needed.
+        deferred = self._count_ref is not None and self._defer_count and not peer_dims(self)
         _, all_labels, counts_ready = check_batch_and_count(
             batch, self, "runner_config.gradient_accumulation_steps", counted, shifted=shifted,
-            n_counts=1 + (mtp.depth if mtp is not None else 0))
+            n_counts=1 + (mtp.depth if mtp is not None else 0), sum_counts=not deferred)
         agreed = self.layout.size("cp") > 1 and getattr(self, "check_batch_agreement", True)
         with inputs_agreed(self.layout, agreed):
-            return self._step(batch, all_labels, counts_ready, shifted)
+            return self._step(batch, all_labels, counts_ready, shifted, counts_ready() if deferred else None)
 
     def _step(self, batch: Mapping[str, Any], all_labels: list[Tensor], counts_ready: Callable[[], Tensor],
-              shifted: bool) -> Tensor:
+              shifted: bool, local_count: Optional[Tensor]) -> Tensor:
+        """One optimizer step; local_count (deferred count): this rank's token count, summed with the loss, while
+        the backward scales by the last counted step's global count."""
         dp, gas = self.layout.size("dp"), self.gradient_accumulation_steps
         labels, mtp = all_labels[0], self.applied.mtp
         interleave = self.applied.interleave
@@ -125,7 +139,8 @@ class Engine:
         # the step's loss sum (before the optimizer step). Both run async, the count's behind the first forward (or
         # inside the batch agreement), the loss's behind the last backward; one blocking all-reduce of both after a
         # single micro-batch's forward measured slower (benchmarks/README.md, overhead): a rendezvous mid-step.
-        counts = None
+        # A deferred count (local_count) has none: it joins the loss sum's all-reduce (token_count.py).
+        counts = self._count_ref if local_count is not None else None
         mtp_total = torch.zeros(len(all_labels) - 1, dtype=torch.float32, device=self.device)
         if not self.model.training:  # the recursive walk costs ~0.3 ms a step on a tiny model; once is enough
             self.model.train()
@@ -144,11 +159,10 @@ class Engine:
                                        shifted=shifted)
                 total_ready = self._add_to_total(m, total, loss)
                 self.ds.backward(loss / gas, scale_wrt_gas=False)
-                self._before_step(m, total_ready)
-                self.ds.step()
+                self._optimizer_step(m, total_ready)
                 continue
             loss_sum = self._token_loss_sum(logits, targets)
-            total_ready = self._add_to_total(m, total, loss_sum)
+            total_ready = self._add_to_total(m, total, loss_sum, local_count)
             counts = counts if counts is not None else counts_ready()
             loss = loss_sum * (self._grad_divisor / counts[0])
             if mtp is not None:  # mtp_loss_scaling_factor / D x each depth's token mean, logged apart
@@ -157,9 +171,13 @@ class Engine:
                                   for s_, n in zip(sums, counts[1:]))
                 mtp_total += torch.stack([s_.detach().float() for s_ in sums])
             self.ds.backward(loss, scale_wrt_gas=False)
-            self._before_step(m, total_ready)
-            self.ds.step()
-        counts = counts if counts is not None else counts_ready()
+            self._optimizer_step(m, total_ready, deferred=local_count is not None)
+        if local_count is not None:
+            counts = self._step_count
+        else:
+            counts = counts if counts is not None else counts_ready()
+            if self._defer_count:
+                self._count_ref = counts[:1].clone()
         n_tokens, mtp_counts = counts[0], counts[1:]
         self._after_step()
         self._log_aux_loss()
@@ -172,13 +190,40 @@ class Engine:
             return total / (dp * gas * interleave.copies)
         return total / n_tokens
 
-    def _add_to_total(self, micro: int, total: Tensor, loss_sum: Tensor) -> Optional[Callable[[], Tensor]]:
+    def _add_to_total(self, micro: int, total: Tensor, loss_sum: Tensor,
+                      local_count: Optional[Tensor] = None) -> Optional[Callable[[], Tensor]]:
         """Add a micro-batch's loss sum to the step's total; at the last micro-batch start summing the total over
-        dp x cp (before its backward, which then hides the latency) and return the wait for it."""
+        dp x cp (before its backward, which then hides the latency) and return the wait for it. With local_count
+        (a deferred count, cp = 1) the count is summed in the same all-reduce and kept as self._step_count."""
         total += loss_sum.detach().float()
         if micro != self.gradient_accumulation_steps - 1:
             return None
-        return start_sum_over(self.layout, "dp_cp", total)
+        if local_count is None:
+            return start_sum_over(self.layout, "dp_cp", total)
+        both = torch.cat([total.view(1), local_count])
+        wait = start_sum_over(self.layout, "dp_cp", both)
+
+        def ready() -> Tensor:
+            summed = wait()
+            total.copy_(summed[0])
+            self._step_count = summed[1:].clamp_min(1.0)
+            return total
+
+        return ready
+
+    def _optimizer_step(self, micro: int, total_ready: Optional[Callable[[], Tensor]], deferred: bool = False) -> None:
+        """DeepSpeed's step after our checks; with a deferred count whose global value differs from the reference the
+        backward scaled by, DeepSpeed divides this step's gradients by their ratio, and the run counts first from
+        now on (token_count)."""
+        self._before_step(micro, total_ready)
+        factor = None
+        if deferred and micro == self.gradient_accumulation_steps - 1:
+            n, ref = float(self._step_count[0]), float(self._count_ref[0])
+            if n != ref:
+                factor = n / ref
+                self._defer_count, self._count_ref = False, None
+        with divided_by(self.ds, factor):
+            self.ds.step()
 
     def _log_aux_loss(self) -> None:
         """The step's aux + z loss: every shard's share (recorded by the backward of each micro-batch) summed over

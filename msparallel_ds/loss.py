@@ -22,7 +22,7 @@ from .distributed.collectives import gather_ints, start_sum_over
 from .distributed.layout import ParallelLayout
 
 __all__ = ["check_batch", "check_batch_and_count", "check_finite_step", "global_token_count", "global_token_counts",
-           "start_global_token_counts", "token_loss_sum"]
+           "peer_dims", "start_global_token_counts", "token_loss_sum"]
 
 
 def check_batch(batch: Mapping[str, Any], engine, accumulation_key: str) -> tuple[Tensor, Tensor]:
@@ -41,15 +41,25 @@ def check_batch(batch: Mapping[str, Any], engine, accumulation_key: str) -> tupl
     return ids, counted[0]
 
 
+def peer_dims(engine) -> list[str]:
+    """The dims whose peers check_batch_and_count compares (tp, cp, pp > 1, with engine.check_batch_agreement on):
+    where there are none, the step's token count needs a collective of its own."""
+    if not getattr(engine, "check_batch_agreement", True):
+        return []
+    return [d for d in ("tp", "cp", "pp") if engine.layout.size(d) > 1]
+
+
 def check_batch_and_count(batch: Mapping[str, Any], engine, accumulation_key: str,
                           counted: Callable[[Tensor], Sequence[Tensor]], *, shifted: bool = False,
-                          n_counts: int = 1) -> tuple[Tensor, list[Tensor], Callable[[], Optional[Tensor]]]:
+                          n_counts: int = 1, sum_counts: bool = True
+                          ) -> tuple[Tensor, list[Tensor], Callable[[], Optional[Tensor]]]:
     """check_batch, plus the step's global token counts (global_token_counts) of counted(labels): n_counts label
     tensors such as the LM's and each MTP depth's (`counted` may raise a ValueError for a batch it refuses, which
     counts as this rank rejecting its batch). Returns (input_ids, counted(labels), counts_ready); counts_ready()
     gives the counts (None for n_counts=0). With peer agreement on and tp, cp or pp > 1, the counts ride in the
     agreement's one all-gather (exact int64 sums over dp); otherwise their all-reduce over dp starts here and hides
-    behind the step's first forward.
+    behind the step's first forward. sum_counts=False (no peer_dims only): counts_ready() gives this rank's own
+    counts, unsummed and unclamped, for the caller to sum in a collective it makes anyway (the engine's loss sum).
     The agreement also stands for the cp attention's per-call check (context_parallel.api.inputs_agreed): peers
     fed the same batch call the same model's attention with the same shapes, so the step needs no more checks."""
     error: Optional[Exception] = None
@@ -60,13 +70,15 @@ def check_batch_and_count(batch: Mapping[str, Any], engine, accumulation_key: st
     except (TypeError, ValueError) as e:
         ids = labels = tensors = None
         error = e
-    agree = getattr(engine, "check_batch_agreement", True)
-    dims = [d for d in ("tp", "cp", "pp") if engine.layout.size(d) > 1] if agree else []
+    dims = peer_dims(engine)
     if not dims:
         if error is not None:
             raise error
         if not n_counts:
             return ids, tensors, lambda: None
+        if not sum_counts:
+            local = _local_counts(tensors, device, shifted)
+            return ids, tensors, lambda: local
         wait = start_sum_over(engine.layout, "dp", _local_counts(tensors, device, shifted))
         return ids, tensors, lambda: wait().clamp_min(1.0)
     if error is None:

@@ -74,22 +74,27 @@ def train_steps(engine, steps, batch_of=global_batch, **track):
     return out
 
 
-def reference_run(steps, rows, *, clip=1.0, ignore_some=False):
-    """Single process: HF loss (mean over the global batch's tokens), AdamW, clip_grad_norm_ (DeepSpeed's
-    formula). Returns per-step losses, final state dict and how many steps clipping scaled the gradient."""
+def reference_run(steps, rows, *, clip=1.0, ignore_some=False, batch_of=None, optimizer=None, norms=None):
+    """Single process: HF loss (mean over the global batch's tokens), AdamW (or optimizer(params)), clip_grad_norm_
+    (DeepSpeed's formula); batches from batch_of(step, rows) (default global_batch). Returns per-step losses, final
+    state dict and how many steps clipping scaled the gradient; each step's global gradient norm is appended to
+    `norms` when given."""
     import torch
 
     model = tiny_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
+    opt = (optimizer or (lambda p: torch.optim.AdamW(p, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)))(
+        model.parameters())
     losses, clipped = [], 0
     for step in range(steps):
-        ids, labels = global_batch(step, rows, ignore_some)
+        ids, labels = batch_of(step, rows) if batch_of else global_batch(step, rows, ignore_some)
         loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad()
         loss.backward()
-        if clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            clipped += bool(norm > clip)
+        if clip > 0 or norms is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+            clipped += bool(clip > 0 and norm > clip)
+            if norms is not None:
+                norms.append(norm.item())
         opt.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, clipped
