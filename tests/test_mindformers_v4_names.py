@@ -168,3 +168,16 @@ def test_wheel_deepseek4_yaml_gives_its_model(tmp_path):
     rotary, rope = DeepseekV4RotaryEmbedding(cfg), load_file(str(FIX / "rope.safetensors"))
     for kind in ("main", "compress"):  # MindFormers' own tables for this YAML (_build_rotary_pos_emb)
         torch.testing.assert_close(getattr(rotary, f"{kind}_inv_freq"), rope[f"flash_{kind}"], rtol=1e-5, atol=0)
+
+
+def test_csa_dense_mode_is_refused_by_key(tmp_path):
+    """model.csa_dense_mode: true (MindFormers 2.1 csa.py:608: no indexer on the ratio-4 layers, every compressed entry
+    attended) has no HF counterpart: before, the key was dropped and the model kept its indexer, a silent difference.
+    Now one error naming the key and the file; false (every wheel YAML's value) builds the model as before."""
+    from msparallel_ds.checkpoint.mindformers_model import model_from_yaml
+
+    path = _yaml(tmp_path, csa_dense_mode=True)
+    with pytest.raises(ValueError, match=r"v4_0\.yaml: model\.csa_dense_mode=True is not supported") as err:
+        model_from_yaml(path)
+    assert "set it to false" in str(err.value)
+    assert model_from_yaml(_yaml(tmp_path, csa_dense_mode=False)).hf_config.index_topk == MODEL["index_topk"]

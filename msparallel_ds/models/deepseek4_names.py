@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import torch
-from torch import Tensor
 
 from ..checkpoint.weight_map import Frozen, FusedGateUp, Joined, Rename, State, WeightOp, WithConstants, at
 
@@ -63,6 +62,11 @@ _FOLDED = ("compress_ratios", "num_hash_layers", "qk_rope_head_dim")
 
 def hf_config_keys(mc: Mapping) -> dict:
     """HF config kwargs a MindFormers 2.1 deepseek4 `model:` section gives beyond HF's own field names."""
+    if mc.get("csa_dense_mode"):  # csa.py:608: no indexer, every compressed entry attended; HF always builds one
+        raise ValueError(f"model.csa_dense_mode={mc['csa_dense_mode']!r} is not supported: MindFormers 2.1's dense "
+                         "mode drops the lightning indexer of the compressed sparse attention (ratio 4) layers and "
+                         "attends to every compressed entry, while HF's DeepseekV4 always selects index_topk of them "
+                         "through its indexer; set it to false (as every MindFormers 2.1 deepseek4 YAML does)")
     kw = {hf: mc[mf] for mf, hf in _ALIASES.items() if mc.get(mf) is not None and mc.get(hf) is None}
     kw.update({k: mc[k] for k in _FOLDED if mc.get(k) is not None})
     if mc.get("head_dim") is None and mc.get("v_head_dim"):  # one shared kv head of v_head_dim = qk_nope + rope
