@@ -54,23 +54,32 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
 
-def accelerate_steps(yaml, model, steps):
-    """An HF-style loop under MindFormersAccelerator (prepare, loss, backward, step) on 4 rows of the global batch,
-    one per dp rank; returns (prepared model, reduced losses, DeepSpeed's gradient norms)."""
+def accelerate_steps(yaml, model, steps, gas=1):
+    """An HF-style loop under MindFormersAccelerator (prepare, loss, backward, step) on 4 x gas rows of the global
+    batch, gas micro-batches of one row per dp rank (rows d x gas + m, the engines' order) under
+    accelerator.accumulate; returns (prepared model, reduced losses (the step's mean), DeepSpeed's gradient norms)."""
     from msparallel_ds.integrations.accelerate import MindFormersAccelerator
 
     accelerator = MindFormersAccelerator(yaml)
     model, optimizer = accelerator.prepare(model, adamw(model.parameters()))
     losses, norms = [], []
     for step in range(steps):
-        ids, labels = global_batch(step, 4)
+        ids, labels = global_batch(step, 4 * gas)
         d = accelerator.layout.rank("dp")
-        loss = model(input_ids=ids[d:d + 1], labels=labels[d:d + 1]).loss  # equal token counts: mean of means
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(accelerator.reduce_loss(loss).item())
+        total = 0.0
+        for m in range(gas):
+            row = slice(d * gas + m, d * gas + m + 1)
+            with accelerator.accumulate(model):
+                loss = model(input_ids=ids[row], labels=labels[row]).loss  # equal token counts: mean of means
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            total += accelerator.reduce_loss(loss).item() / gas
+        losses.append(total)
         norms.append(float(model.get_global_grad_norm()))
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # accelerate's one state per process: the next run's own
     return model, losses, norms
 
 

@@ -410,6 +410,14 @@ class MindFormersAccelerator(Accelerator):
         moe = deepspeed_moe(models[0], self.layout, optimizer) if models and optimizer is not None else nullcontext()
         with moe, _deepspeed_initialize_with(self.layout.mpu()):  # experts reduced over their expert-dp group
             result = super()._prepare_deepspeed(*args)
+        if models:
+            from ..strategy import applied_to
+
+            aux = applied_to(models[0]).aux_loss
+            if aux is not None:  # as msp.initialize's engine: each rank's term is its share of the mean over the
+                # shards, DeepSpeed divides by dp, micro-batches are averaged like the script's loss
+                gas = self.deepspeed_engine_wrapped.engine.gradient_accumulation_steps()
+                aux.scale = self.layout.size("dp") / gas
         for obj in result:
             if type(obj) is AcceleratedScheduler:
                 obj.__class__ = _DataParallelScheduler
