@@ -82,6 +82,14 @@ class CheckpointMonitor:
         self.async_save, self.integrated_save = async_save, integrated_save
         self._pending: Optional[tuple] = None  # (tmp, final, state) of the save in flight
 
+    def start(self, engine) -> None:
+        """Before the first step: with async_save, the checkpoint's gloo group now (collective, every rank), so the
+        first background save only stages (as checkpoint/monitor.CheckpointSaver and torchtitan do)."""
+        if self.async_save and self.every:
+            from ..checkpoint.sharded import _group
+
+            _group(engine.layout)
+
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
 

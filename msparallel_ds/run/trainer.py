@@ -53,6 +53,7 @@ class Trainer:
                                              ck.get("keep_checkpoint_max"), self.rank, ck.get("replicas", 0),
                                              ck.get("async_save", False), ck.get("integrated_save", False),
                                              ck.get("checkpoint_format", "ckpt"))
+        self.checkpoints.start(self.engine)
         lm = spec.callback("MFLossMonitor") or {}
         self.monitor = LossMonitor(spec.output_dir, lm.get("per_print_times", 1), self.total_steps, self.rank,
                                    self.world, n_params[0], spec.tensorboard, echo)
