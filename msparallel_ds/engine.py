@@ -66,15 +66,15 @@ class Engine:
         self.last_aux_loss: Optional[float] = None  # the router's aux + z loss of the last step (logged apart)
         self.last_mtp_loss: Optional[float] = None  # the multi-token-prediction cross-entropy (logged apart)
         if applied.aux_loss is not None:  # DeepSpeed divides by dp; micro-batches are averaged like the LM loss
-            applied.aux_loss.scale = layout.size("dp") / self.gradient_accumulation_steps
+            applied.aux_loss.deepspeed_scale(layout.size("dp"), self.gradient_accumulation_steps)
         # ZeRO-0 with expert parallel: the true global norm is ours (runtime.deepspeed_config turned DeepSpeed's off)
         self._own_norm: Optional[float] = None
         self._own_clip = (plan.gradient_clipping if layout.size("ep") > 1 and ds_engine.zero_optimization_stage() == 0
                           and not ds_engine.gradient_clipping() else None)
         # dp-only steps: after one counted step, the token count rides in the loss sum's all-reduce (token_count)
-        interleave = applied.interleave
+        summed_copies = applied.interleave is not None and applied.interleave.copy_loss == "sum"
         self._defer_count = (divides_gradients(ds_engine) and applied.aux_loss is None and applied.mtp is None
-                             and layout.size("cp") == 1 and not (interleave is not None and interleave.copy_loss == "sum"))
+                             and layout.size("cp") == 1 and not summed_copies)
         self._count_ref: Optional[Tensor] = None  # the last counted step's global token count
         self._step_count: Optional[Tensor] = None  # this step's, once the loss sum's all-reduce is done
 

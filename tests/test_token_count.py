@@ -35,7 +35,8 @@ def _run(rank, world_size):
     import msparallel_ds as msp
 
     out = {}
-    for name, yaml in (("dp4_zero2", dict(dp=4, zero=2, clip=0.0)), ("dp4_zero3_gas2", dict(dp=4, zero=3, gas=2, clip=0.0)),
+    for name, yaml in (("dp4_zero2", dict(dp=4, zero=2, clip=0.0)),
+                       ("dp4_zero3_gas2", dict(dp=4, zero=3, gas=2, clip=0.0)),
                        ("dp4_zero1", dict(dp=4, zero=1, clip=0.0)),
                        ("dp4_zero2_offload", dict(dp=4, zero=2, clip=0.0, swap=True))):
         engine = msp.initialize(tiny_model(), msp.load_config(tiny_config(**yaml)), optimizer=_sgd)

@@ -387,7 +387,7 @@ class MindFormersAccelerator(Accelerator):
 
         from .. import runtime
         from ..pet import require_lora
-        from ..strategy import parallelize, prepare_user_loop
+        from ..strategy import applied_to, parallelize, prepare_user_loop
 
         models = [a for a in args if isinstance(a, nn.Module)]
         if models:
@@ -410,14 +410,9 @@ class MindFormersAccelerator(Accelerator):
         moe = deepspeed_moe(models[0], self.layout, optimizer) if models and optimizer is not None else nullcontext()
         with moe, _deepspeed_initialize_with(self.layout.mpu()):  # experts reduced over their expert-dp group
             result = super()._prepare_deepspeed(*args)
-        if models:
-            from ..strategy import applied_to
-
-            aux = applied_to(models[0]).aux_loss
-            if aux is not None:  # as msp.initialize's engine: each rank's term is its share of the mean over the
-                # shards, DeepSpeed divides by dp, micro-batches are averaged like the script's loss
-                gas = self.deepspeed_engine_wrapped.engine.gradient_accumulation_steps()
-                aux.scale = self.layout.size("dp") / gas
+        aux = applied_to(models[0]).aux_loss if models else None
+        if aux is not None:  # the router's aux / z / indexer loss averaged as msp.initialize's engine does
+            aux.deepspeed_scale(self.layout.size("dp"), self.gradient_accumulation_steps)  # DeepSpeed's, now
         for obj in result:
             if type(obj) is AcceleratedScheduler:
                 obj.__class__ = _DataParallelScheduler

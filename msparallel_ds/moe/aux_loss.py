@@ -114,6 +114,11 @@ class AuxLoss:
         self._seen: dict[int, int] = {}  # router id -> trained forwards since the last end_step
         self._passed: Optional[set[int]] = None  # routers whose shape-inference forward was let pass (skip_inference)
 
+    def deepspeed_scale(self, dp: int, micro_batches: int) -> None:
+        """The gradient scale under a DeepSpeed engine (msp.initialize's, or accelerate's): each rank's term is its
+        share of the mean over shards, DeepSpeed divides gradients by dp, micro-batches are averaged like the loss."""
+        self.scale = dp / micro_batches
+
     @property
     def terms(self) -> int:
         """Values recorded per trained forward of the part: one per router and per other term."""
