@@ -4,7 +4,7 @@ lightning indexer, heavily compressed, sliding), 2 hyper-connection streams, 8 r
 first layer hash-routed. Compression rates 4 / 8 so both compressors produce entries at sequence 32. The routers get
 larger weights than HF's default (so choices vary), the top-k routers a non-zero expert bias (so it matters), and the
 hash router a tid2eid table of distinct experts per token (HF initialises it to zeros: every token on expert 0)."""
-from deepseek_cases import seed_routers
+from deepseek_cases import seed_routers, update_expert_bias
 from engine_cases import BETAS, EPS, LR, SEQ, VOCAB, global_batch
 
 EXPERTS, TOP_K, SCALE = 8, 2, 1.5
@@ -127,11 +127,7 @@ def v4_reference(steps, rows, clip=1.0, optimizer=None, bias_rate=None, aux=0.0,
                 p.grad = torch.zeros_like(p)  # so weight decay still applies (DeepSpeed fills them so too)
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
         opt.step()
-        with torch.no_grad():
-            for name, load in counts.items():
-                load = load.double()
-                model.get_submodule(name).e_score_correction_bias.add_(torch.sign(load.mean() - load) * bias_rate)
-        counts.clear()
+        update_expert_bias(model, counts, bias_rate)
         losses.append(total)
         aux_values.append(total_aux)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, aux_values

@@ -63,6 +63,18 @@ def _count_choices(model):
     return counts
 
 
+def update_expert_bias(model, counts, rate):
+    """The references' aux-loss-free balancing after the optimizer step: each router's e_score_correction_bias moves
+    by rate x sign(mean load - load) over the step's counted choices (counts: router name -> load); counts clear."""
+    import torch
+
+    with torch.no_grad():
+        for name, load in counts.items():
+            load = load.double()
+            model.get_submodule(name).e_score_correction_bias.add_(torch.sign(load.mean() - load) * rate)
+    counts.clear()
+
+
 def _lm_and_mtp_losses(model, ids, labels, depth, legacy=False):
     """The LM loss and MindFormers' MTP losses written plainly, from one decoder forward: per depth k,
     [enorm(embed(ids << k)), hnorm(h)] -> eh_proj -> the MTP decoder layer -> shared_head.norm -> lm_head, token-mean
@@ -149,10 +161,6 @@ def deepseek_reference(steps, rows, clip=1.0, bias_rate=None, mtp=None, aux=0.0,
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))))
         opt.step()
-        with torch.no_grad():
-            for name, load in counts.items():
-                load = load.double()
-                model.get_submodule(name).e_score_correction_bias.add_(torch.sign(load.mean() - load) * bias_rate)
-        counts.clear()
+        update_expert_bias(model, counts, bias_rate)
         losses.append(lm.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, mtp_values, aux_values

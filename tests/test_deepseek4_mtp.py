@@ -14,6 +14,7 @@ import yaml
 
 pytest.importorskip("transformers.models.deepseek_v4", reason="HF DeepseekV4ForCausalLM needs transformers >= 5.24")
 from deepseek4_cases import EXPERTS, TOP_K, state_error, v4_model
+from deepseek_cases import update_expert_bias
 from engine_cases import BETAS, EPS, LR, VOCAB, global_batch, train_steps
 from harness import run_distributed
 from moe_cases import adamw as _adamw
@@ -149,11 +150,7 @@ def reference(rows, micro):
                 p.grad = torch.zeros_like(p)
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
-        with torch.no_grad():
-            for name, load in counts.items():
-                load = load.double()
-                model.get_submodule(name).e_score_correction_bias.add_(torch.sign(load.mean() - load) * RATE)
-        counts.clear()
+        update_expert_bias(model, counts, RATE)
         for k, v in (("losses", lm_total), ("mtp", mtp_total), ("aux", aux_total)):
             out[k].append(v)
     out["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
