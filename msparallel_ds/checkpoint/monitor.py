@@ -35,6 +35,18 @@ from .folder import MANIFEST
 __all__ = ["CheckpointSaver", "step_folders"]
 
 FORMATS = ("ckpt", "safetensors")
+KEY = "callbacks CheckpointMonitor"
+
+
+def check_keys(replicas, fmt: str) -> None:
+    """The CheckpointMonitor keys both savers read (this one and run/checkpoints.py's): replicas, checkpoint_format."""
+    if isinstance(replicas, bool) or replicas not in (0, 1):
+        raise ValueError(f"{KEY}.replicas={replicas!r} must be 0 or 1 (1: each rank's checkpoint files also "
+                         "written by a data-parallel peer); set e.g. replicas: 1")
+    if fmt not in FORMATS:
+        raise ValueError(f"{KEY}.checkpoint_format={fmt!r} is not supported; use one of {', '.join(FORMATS)}")
+
+
 _STEP = re.compile(r"step-(\d{8})")
 
 
@@ -53,21 +65,16 @@ def step_folders(root: str, *, complete: bool = True) -> list[tuple[int, str]]:
 class CheckpointSaver:
     def __init__(self, engine, output_dir: str, save_steps: int, keep_max: Optional[int] = 5,
                  integrated_save: bool = False, async_save: bool = False, fmt: str = "ckpt", replicas: int = 0):
-        key = "callbacks CheckpointMonitor"
         if isinstance(save_steps, bool) or not isinstance(save_steps, int) or save_steps < 1:
-            raise ValueError(f"{key}.save_checkpoint_steps={save_steps!r} must be a positive integer (save every N "
+            raise ValueError(f"{KEY}.save_checkpoint_steps={save_steps!r} must be a positive integer (save every N "
                              "steps); set e.g. save_checkpoint_steps: 100")
         if keep_max is not None and (isinstance(keep_max, bool) or not isinstance(keep_max, int) or keep_max < 0):
-            raise ValueError(f"{key}.keep_checkpoint_max={keep_max!r} must be a non-negative integer (0 keeps all); "
+            raise ValueError(f"{KEY}.keep_checkpoint_max={keep_max!r} must be a non-negative integer (0 keeps all); "
                              "set e.g. keep_checkpoint_max: 5")
-        if fmt not in FORMATS:
-            raise ValueError(f"{key}.checkpoint_format={fmt!r} is not supported; use one of {', '.join(FORMATS)}")
+        check_keys(replicas, fmt)
         self.engine, self.root = engine, os.path.join(output_dir, "checkpoint")
         self.save_steps, self.keep_max = save_steps, keep_max or None
         self.integrated_save, self.async_save, self.fmt = bool(integrated_save), bool(async_save), fmt
-        if isinstance(replicas, bool) or replicas not in (0, 1):
-            raise ValueError(f"{key}.replicas={replicas!r} must be 0 or 1 (1: each rank's checkpoint files also "
-                             "written by a data-parallel peer); set e.g. replicas: 1")
         self.replicas = replicas
         self.saved: list[str] = []
         if self.async_save:  # the checkpoint's gloo group now (collective, every rank builds its saver), as torchtitan

@@ -66,17 +66,12 @@ def _set_rng(state: dict) -> None:
 class CheckpointMonitor:
     def __init__(self, output_dir: str, every: Optional[int], keep: Optional[int], rank: int, replicas: int = 0,
                  async_save: bool = False, integrated_save: bool = False, fmt: str = "ckpt"):
-        from ..checkpoint.monitor import FORMATS
+        from ..checkpoint.monitor import KEY, check_keys
 
-        key = "callbacks CheckpointMonitor"
-        if isinstance(replicas, bool) or replicas not in (0, 1):
-            raise ValueError(f"{key}.replicas={replicas!r} must be 0 or 1 (1: each rank's "
-                             "checkpoint files also written by a data-parallel peer); set e.g. replicas: 1")
+        check_keys(replicas, fmt)
         for name, value in (("async_save", async_save), ("integrated_save", integrated_save)):
             if not isinstance(value, bool):
-                raise ValueError(f"{key}.{name}={value!r} must be true or false")
-        if fmt not in FORMATS:
-            raise ValueError(f"{key}.checkpoint_format={fmt!r} is not supported; use one of {', '.join(FORMATS)}")
+                raise ValueError(f"{KEY}.{name}={value!r} must be true or false")
         self.folder, self.replicas = os.path.join(output_dir, "checkpoint"), replicas
         self.every, self.keep, self.rank = every, keep if keep and keep > 0 else None, rank
         self.async_save, self.integrated_save = async_save, integrated_save
